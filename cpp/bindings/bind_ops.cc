@@ -1,0 +1,7 @@
+#include "bindings.h"
+
+namespace pagedserve::bindings {
+
+void bind_ops(pybind11::module_&) {}
+
+}  // namespace pagedserve::bindings

@@ -1,0 +1,15 @@
+// Each file in cpp/bindings/ (and cuda/bindings/) binds one area of the core.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace pagedserve::bindings {
+
+void bind_memory(pybind11::module_& m);     // BlockPool, BlockTable
+void bind_scheduler(pybind11::module_& m);  // Scheduler, StepOutput, stats
+void bind_ops(pybind11::module_& m);        // CPU reference ops
+#ifdef PAGEDSERVE_WITH_CUDA
+void bind_cuda_ops(pybind11::module_& m);   // CUDA kernels (cuda/bindings/)
+#endif
+
+}  // namespace pagedserve::bindings
