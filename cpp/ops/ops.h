@@ -1,0 +1,71 @@
+// CPU reference ops. They are the engine's kernels on a CPU-only machine and
+// the oracle the CUDA kernels (cuda/cuda_ops.h, same arguments plus a stream)
+// are tested against.
+//
+// Shapes: T tokens in the step, Hq query heads, Hkv kv heads, D head dim,
+// N blocks, B block size, S sequences. Float tensors are float32, float16 or
+// bfloat16 (all of one op's float arguments share a dtype unless noted);
+// arithmetic is float32. Index tensors are int32. All tensors are contiguous
+// and on the CPU. Bad arguments throw std::invalid_argument.
+#pragma once
+
+#include "tensor_view.h"
+
+namespace pagedserve::ops {
+
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight.   x, out: [T, H]; weight: [H].
+// Also used per head for Qwen3's q/k norm with x viewed as [T * heads, D].
+void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps);
+
+// In place, as one fused pass: residual += x; x = rms_norm(residual) * weight.
+// x, residual: [T, H]; weight: [H].
+void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight, float eps);
+
+// Llama-3 style frequency scaling; factor <= 0 means none ("default" rope).
+struct RopeScaling {
+  double factor = 0.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position = 8192;
+};
+
+// Fills the float32 table cos_sin[pos] = [cos(pos * f_0..f_{R/2-1}), sin(pos * f_0..f_{R/2-1})],
+// f_i = theta^(-2i / R) (scaled per RopeScaling). cos_sin: [max_position, R], R = rotary dim.
+void rope_cos_sin_cache(const TensorView& cos_sin, double theta, const RopeScaling& scaling);
+
+// In place, half-rotation (NeoX / Llama / Qwen style): for each head, with
+// x1 = x[:R/2], x2 = x[R/2:R]: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
+// positions: [T] int32; query: [T, Hq, D]; key: [T, Hkv, D]; cos_sin: [max_position, R] float32, R <= D.
+void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
+                      const TensorView& cos_sin);
+
+// out = silu(x[:, :I]) * x[:, I:].   x: [T, 2I]; out: [T, I].
+void silu_and_mul(const TensorView& out, const TensorView& x);
+
+// Writes each token's key and value into its cache slot (kv_cache_layout.h).
+// key, value: [T, Hkv, D]; key_cache, value_cache: [N, Hkv, B, D]; slot_mapping: [T]
+// int32, kPadSlot entries skipped.
+void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
+                       const TensorView& value_cache, const TensorView& slot_mapping);
+
+// Applies copy-on-write copies to every layer's keys and values, in order.
+// kv_cache: [L, 2, N, Hkv, B, D]; block_copies: [C, 2] int32 (src, dst).
+void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies);
+
+// Paged attention over a mixed varlen batch. Sequence s brings the queries
+// query[query_start_loc[s] : query_start_loc[s + 1]] (q_len of them) for
+// positions [seq_lens[s] - q_len, seq_lens[s]); query i attends causally to
+// positions [0, seq_lens[s] - q_len + i] read through block_tables[s].
+// GQA: query head h reads kv head h / (Hq / Hkv). Softmax in float32 with
+// `scale`; out is written for every token of every sequence.
+// out, query: [T, Hq, D]; key_cache, value_cache: [N, Hkv, B, D];
+// block_tables: [S, max_blocks] int32; query_start_loc: [S + 1] int32; seq_lens: [S] int32.
+void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                     const TensorView& value_cache, const TensorView& block_tables,
+                     const TensorView& query_start_loc, const TensorView& seq_lens, float scale);
+
+// Threads the ops may use (default: hardware concurrency). Small problems run inline.
+void set_num_threads(int num_threads);
+int num_threads();
+
+}  // namespace pagedserve::ops

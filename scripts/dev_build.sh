@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# In-tree development build: compiles pagedserve._core (and, with
+# PAGEDSERVE_BUILD_TESTS, the GoogleTest suites) under build/dev and copies the
+# extension into python/pagedserve/, so `PYTHONPATH=python pytest` runs the tree.
+# Extra arguments go to CMake, e.g. -DUSE_CUDA=ON for a compile check of cuda/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+BUILD=${BUILD_DIR:-build/dev}
+cmake -S . -B "$BUILD" -G Ninja \
+  -DPAGEDSERVE_BUILD_PYTHON=ON -DPAGEDSERVE_BUILD_TESTS=ON \
+  -DPython_EXECUTABLE="$(command -v "$PY")" \
+  -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" "$@" >/dev/null
+cmake --build "$BUILD" -j "$(nproc)"
+cp "$BUILD"/_core*.so python/pagedserve/
