@@ -57,12 +57,32 @@ void BlockPool::decref(BlockId block) {
   BlockMeta& m = meta_[checked(block)];
   PS_CHECK(m.refcount > 0, "decref of unheld block ", block);
   --total_refs_;
-  if (--m.refcount > 0) return;
-  if (m.cached) {
+  if (--m.refcount > 0 || m.pinned) return;
+  release_unheld(block);
+}
+
+void BlockPool::release_unheld(BlockId block) {
+  if (meta_[block].cached) {
     lru_push_back(block);
   } else {
     free_stack_.push_back(block);
   }
+}
+
+void BlockPool::pin_until_step_end(BlockId block) {
+  BlockMeta& m = meta_[checked(block)];
+  PS_CHECK(m.refcount > 0, "pinning unheld block ", block);
+  if (m.pinned) return;
+  m.pinned = true;
+  pinned_.push_back(block);
+}
+
+void BlockPool::end_step() {
+  for (BlockId block : pinned_) {
+    meta_[block].pinned = false;
+    if (meta_[block].refcount == 0) release_unheld(block);
+  }
+  pinned_.clear();
 }
 
 std::optional<BlockId> BlockPool::find_cached(const BlockHash& hash, std::span<const TokenId> tokens) const {
@@ -158,6 +178,7 @@ void BlockPool::check_invariants() const {
     PS_CHECK(meta_[b].refcount == 0 && meta_[b].cached, "evictable block ", b, " is held or uncached");
     ++lru_count;
   }
+  PS_CHECK(pinned_.empty(), pinned_.size(), " blocks still pinned: end_step() was not called");
   PS_CHECK(lru_count == num_evictable_, "LRU holds ", lru_count, " blocks, counter says ", num_evictable_);
   int64_t refs = 0;
   size_t cached = 0;

@@ -54,6 +54,12 @@ class BlockPool {
   // At refcount 0 a cached block becomes evictable, any other block free.
   void decref(BlockId block);
 
+  // Keeps `block` from being handed out again until end_step(), even if its
+  // refcount drops to 0: it is the source of a copy-on-write copy the runner
+  // has not applied yet, and must not become another copy's destination.
+  void pin_until_step_end(BlockId block);
+  void end_step();
+
   int32_t refcount(BlockId block) const { return meta_.at(checked(block)).refcount; }
   int32_t num_blocks() const { return static_cast<int32_t>(meta_.size()); }
   int32_t block_size() const { return block_size_; }
@@ -85,6 +91,7 @@ class BlockPool {
   struct BlockMeta {
     int32_t refcount = 0;
     bool cached = false;
+    bool pinned = false;
     int32_t lru_prev = kNil;
     int32_t lru_next = kNil;
     BlockHash hash{};
@@ -94,11 +101,13 @@ class BlockPool {
   void lru_push_back(BlockId block);
   void lru_remove(BlockId block);
   void uncache(BlockId block);
+  void release_unheld(BlockId block);  // to the LRU list if cached, else the free stack
 
   int32_t block_size_;
   bool prefix_caching_;
   std::vector<BlockMeta> meta_;
   std::vector<BlockId> free_stack_;  // top = most recently freed
+  std::vector<BlockId> pinned_;      // pinned this step
   int32_t lru_head_ = kNil;          // least recently released
   int32_t lru_tail_ = kNil;
   int32_t num_evictable_ = 0;

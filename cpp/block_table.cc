@@ -74,7 +74,9 @@ bool BlockTable::prepare_write(int32_t begin, int32_t end, std::vector<BlockCopy
     BlockId& block = blocks_[static_cast<size_t>(i)];
     if (pool_->refcount(block) == 1) continue;
     const BlockId fresh = *pool_->allocate();  // counted by blocks_needed
-    copies.push_back({block, fresh});          // the copy now holds our reference on `block`
+    copies.push_back({block, fresh});
+    pool_->pin_until_step_end(block);
+    pool_->decref(block);
     block = fresh;
   }
   while (num_blocks() <= last_block) blocks_.push_back(*pool_->allocate());

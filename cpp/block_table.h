@@ -7,11 +7,10 @@
 // it is destroyed or released (RAII); it is move-only. fork() makes a second
 // table sharing every block. Blocks written by the next forward pass must be
 // exclusively owned, so prepare_write() copies a shared block before the
-// write (copy-on-write): it allocates a fresh block, records the (src, dst)
-// copy the runner applies before the forward, moves this table's reference on
-// src into that pending copy, and swaps dst in. The pending reference keeps
-// src from being reused as another copy's destination within the same step;
-// the scheduler drops it once the step's copies are final (release_copy_sources).
+// write (copy-on-write), in the safe order: record the (src, dst) copy the
+// runner applies before the forward, decref src, swap dst in. src is pinned
+// until BlockPool::end_step(), so even if every other holder lets go of it
+// within the step it cannot become another pending copy's destination.
 #pragma once
 
 #include <cstdint>

@@ -56,9 +56,8 @@ std::shared_ptr<const StepOutput> Scheduler::schedule() {
   schedule_partial_prefills(*out, budget);
   // Admitting right after a preemption would only evict the newcomer next step.
   if (out->preempted.empty()) admit_waiting(*out, budget);
-  // No block is allocated after this point in the step, so the copy sources
-  // no longer need protecting from reuse as another copy's destination.
-  for (const BlockCopy& copy : out->block_copies) pool_.decref(copy.src);
+  // No block is allocated after this point in the step.
+  pool_.end_step();
   build_arrays(*out);
   reap();
   in_flight_ = out;
@@ -132,6 +131,7 @@ bool Scheduler::reserve_or_preempt(Sequence& seq, int32_t count, StepOutput& out
       return false;
     } else {
       finish_now(seq, FinishReason::kLength);  // alone with the whole pool and still no room
+      out.rejected.push_back({seq.id, FinishReason::kLength});
       return false;
     }
   }

@@ -54,7 +54,9 @@ struct StepOutput {
   int32_t total_samples = 0;                // update() expects this many sampled tokens
 
   std::vector<BlockCopy> block_copies;      // apply before the forward, in order
-  std::vector<FinishedSeq> rejected;        // finished by schedule() without running
+  // Finished by schedule() without running: can never fit (kRejected), or
+  // outgrew the whole pool while running alone (kLength).
+  std::vector<FinishedSeq> rejected;
   std::vector<SeqId> preempted;             // sent back to waiting this step
 
   int32_t num_prefill_tokens() const { return num_tokens - num_decodes; }

@@ -22,6 +22,8 @@ void bind_memory(py::module_& m) {
       .def("incref", &BlockPool::incref, py::arg("block"))
       .def("decref", &BlockPool::decref, py::arg("block"))
       .def("refcount", &BlockPool::refcount, py::arg("block"))
+      .def("end_step", &BlockPool::end_step,
+           "Lets copy-on-write sources freed this step be handed out again (call once the copies are applied).")
       .def("state", &BlockPool::state, py::arg("block"))
       .def("block_states", [](const BlockPool& p) {
              auto states = p.block_states();
@@ -62,8 +64,7 @@ void bind_memory(py::module_& m) {
           },
           py::arg("begin"), py::arg("end"),
           "Makes positions [begin, end) writable. Returns the (src, dst) copy-on-write copies, or None if the "
-          "pool is exhausted (nothing changed). The caller owns one reference on each src: decref it once the "
-          "copy is applied.")
+          "pool is exhausted (nothing changed). Each src stays out of circulation until pool.end_step().")
       .def("fork", &BlockTable::fork, py::keep_alive<0, 1>())
       .def(
           "match_prefix",

@@ -1,0 +1,62 @@
+"""Shared helpers for bench scripts: machine info, JSON + markdown output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_info() -> dict:
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "processor": _cpu_model(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:,.2f}" if abs(v) >= 0.01 else f"{v:.3g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def save(name: str, payload: dict, markdown: str, out_dir: Path | None = None) -> Path:
+    out_dir = Path(out_dir) if out_dir else RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machine_info(), **payload}
+    (out_dir / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    m = payload["machine"]
+    header = f"_{m['date']} · {m.get('gpu') or m['processor']} · {m['cpu_count']} CPUs · torch {m.get('torch', '-')}_\n\n"
+    (out_dir / f"{name}.md").write_text(header + markdown + "\n")
+    return out_dir / f"{name}.json"

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The test command (README, .ci/run): installs what a fresh machine lacks,
+# builds, runs the GoogleTest suites with CTest in a plain and an
+# AddressSanitizer + UndefinedBehaviorSanitizer build, compiles the CUDA
+# sources with nvcc when it is present (build check only), then runs pytest
+# against the installed package.
+#
+#   bash scripts/test.sh            everything
+#   SKIP_SANITIZER=1 bash scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+JOBS=$(nproc)
+step() { printf '\n==> %s\n' "$*"; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+step "system packages"
+apt_needed=()
+dpkg -s libgtest-dev >/dev/null 2>&1 || apt_needed+=(libgtest-dev)
+command -v cmake >/dev/null || apt_needed+=(cmake)
+command -v ninja >/dev/null || apt_needed+=(ninja-build)
+command -v chromium >/dev/null || apt_needed+=(chromium)
+if [ ${#apt_needed[@]} -gt 0 ]; then
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "${apt_needed[@]}" >/dev/null
+fi
+
+step "python environment"
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  # shellcheck disable=SC1091
+  source .venv/bin/activate
+fi
+python -m pip install -q --upgrade pip
+python -m pip install -q torch==2.13.0          # the CPU wheel; an unpinned torch pulls a CUDA build
+python -m pip install -q ".[test]"               # builds pagedserve._core with scikit-build-core
+PYBIND11_DIR=$(python -c 'import pybind11; print(pybind11.get_cmake_dir())' 2>/dev/null || true)
+
+ctest_build() {  # name, extra cmake args...
+  local dir=build/$1; shift
+  cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DPAGEDSERVE_BUILD_PYTHON=OFF \
+    -DPAGEDSERVE_BUILD_TESTS=ON "$@" >/dev/null
+  cmake --build "$dir" -j "$JOBS"
+  ctest --test-dir "$dir" --output-on-failure -j "$JOBS"
+}
+
+step "GoogleTest (plain build)"
+ctest_build test-plain
+
+if [ -z "${SKIP_SANITIZER:-}" ]; then
+  step "GoogleTest (ASan + UBSan build)"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest_build test-sanitize -DPAGEDSERVE_SANITIZE=ON
+fi
+
+if command -v nvcc >/dev/null && ls cuda/*.cu >/dev/null 2>&1; then
+  step "CUDA sources: nvcc build check (no GPU needed)"
+  cmake -S . -B build/cuda-check -G Ninja -DUSE_CUDA=ON -DPAGEDSERVE_BUILD_PYTHON=ON \
+    -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DPython_EXECUTABLE="$(command -v python)" \
+    -Dpybind11_DIR="$PYBIND11_DIR" >/dev/null
+  cmake --build build/cuda-check -j "$JOBS"
+fi
+
+step "pytest"
+cd "$ROOT"
+python -m pytest tests_py -q -p no:cacheprovider "$@"

@@ -1,0 +1,306 @@
+// Randomized property test: the scheduler and its block pool against a plain
+// model of what they must do.
+//
+// A simulated runner keeps a shadow KV cache (what token each slot holds) and
+// applies every step the way the GPU would: block copies, then writes through
+// the slot mapping. After every step it checks that each scheduled sequence
+// reads back exactly its own tokens through its block table — the property
+// paged attention relies on, across prefix hits, forks, copy-on-write and
+// preemption. After every operation it checks the block accounting: each
+// block's refcount equals the number of tables holding it, nothing leaked or
+// double-freed, and the pool is all free once every sequence is gone.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <random>
+#include <set>
+
+#include "scheduler.h"
+
+namespace pagedserve {
+namespace {
+
+constexpr TokenId kEos = 2;
+constexpr int64_t kEmptySlot = -1;
+
+// How often each interesting event happened: the test asserts they all did,
+// so a change that makes the random driver vacuous fails.
+struct Coverage {
+  int64_t steps = 0, tokens = 0, preemptions = 0, copies = 0, prefix_hit_blocks = 0, rejected = 0, forks = 0,
+          in_flight_aborts = 0, finished = 0;
+};
+
+struct ModelSeq {
+  std::vector<TokenId> tokens;
+  int32_t num_prompt = 0;
+  StopParams params;
+};
+
+class PropertyHarness {
+ public:
+  PropertyHarness(std::mt19937_64& rng, Coverage& coverage) : rng_(rng), coverage_(coverage) {
+    config_.num_blocks = pick(4, 40);
+    config_.block_size = std::vector<int32_t>{1, 2, 4, 8}[static_cast<size_t>(pick(0, 3))];
+    config_.max_num_seqs = pick(1, 8);
+    config_.max_num_batched_tokens = config_.max_num_seqs + pick(0, 24);
+    config_.max_model_len = pick(8, 64);
+    config_.enable_prefix_caching = pick(0, 3) != 0;
+    config_.watermark = pick(0, 1) ? 0.0 : 0.1;
+    config_.eos_token_ids = {kEos};
+    scheduler_ = std::make_unique<Scheduler>(config_);
+    kv_.assign(static_cast<size_t>(config_.num_blocks * config_.block_size), kEmptySlot);
+    for (int i = 0; i < 3; ++i) bases_.push_back(random_tokens(pick(1, 20)));
+  }
+
+  ~PropertyHarness() { coverage_.prefix_hit_blocks += scheduler_->pool().prefix_counters().hit_blocks; }
+
+  void run(int operations) {
+    for (int op = 0; op < operations; ++op) {
+      const int dice = pick(0, 99);
+      if (dice < 30) {
+        add();
+      } else if (dice < 85) {
+        step();
+      } else if (dice < 93) {
+        finish_random(FinishReason::kAbort);
+      } else {
+        finish_random(FinishReason::kStop);
+      }
+      check_accounting();
+    }
+    drain();
+  }
+
+ private:
+  int32_t pick(int32_t lo, int32_t hi) { return std::uniform_int_distribution<int32_t>(lo, hi)(rng_); }
+
+  std::vector<TokenId> random_tokens(int32_t n) {
+    std::vector<TokenId> t(static_cast<size_t>(n));
+    for (auto& x : t) x = pick(3, 8);  // tiny vocabulary: many shared prefixes
+    return t;
+  }
+
+  void add() {
+    std::vector<TokenId> prompt = bases_[static_cast<size_t>(pick(0, 2))];
+    const auto suffix = random_tokens(pick(0, 12));
+    prompt.insert(prompt.end(), suffix.begin(), suffix.end());
+    if (prompt.empty()) prompt.push_back(3);
+    StopParams p;
+    p.max_tokens = pick(1, 24);
+    p.min_tokens = pick(0, 2) == 0 ? pick(0, p.max_tokens) : 0;
+    p.ignore_eos = pick(0, 4) == 0;
+    if (pick(0, 3) == 0) p.stop_token_ids = {pick(3, 8)};
+    p.n = pick(0, 4) == 0 ? pick(2, 3) : 1;
+    const SeqId id = scheduler_->add_sequence(prompt, p);
+    model_[id] = ModelSeq{prompt, static_cast<int32_t>(prompt.size()), p};
+  }
+
+  void finish_random(FinishReason reason) {
+    if (model_.empty()) return;
+    auto it = std::next(model_.begin(), pick(0, static_cast<int32_t>(model_.size()) - 1));
+    ASSERT_TRUE(scheduler_->finish(it->first, reason));
+    model_.erase(it);
+  }
+
+  void step() {
+    const bool idle_with_waiting = scheduler_->num_running() == 0 && scheduler_->num_waiting() > 0;
+    auto out = scheduler_->schedule();
+    for (const FinishedSeq& r : out->rejected) {
+      ASSERT_TRUE(model_.count(r.id));
+      model_.erase(r.id);
+    }
+    if (idle_with_waiting) {
+      ASSERT_TRUE(out->num_seqs > 0 || !out->rejected.empty()) << "waiting requests with nothing running: stall";
+    }
+    simulate_forward(*out);
+    ++coverage_.steps;
+    coverage_.tokens += out->num_tokens;
+    coverage_.preemptions += static_cast<int64_t>(out->preempted.size());
+    coverage_.copies += static_cast<int64_t>(out->block_copies.size());
+    coverage_.rejected += static_cast<int64_t>(out->rejected.size());
+    if (pick(0, 9) == 0 && out->num_seqs > 0) {  // abort a row while its step is in flight
+      const SeqId victim = out->seq_ids[static_cast<size_t>(pick(0, out->num_seqs - 1))];
+      if (model_.count(victim)) {
+        ASSERT_TRUE(scheduler_->abort(victim));
+        model_.erase(victim);
+        ++coverage_.in_flight_aborts;
+      }
+    }
+    std::vector<TokenId> sampled(static_cast<size_t>(out->total_samples));
+    for (auto& t : sampled) t = pick(0, 5) == 0 ? kEos : pick(3, 8);
+    const UpdateResult result = scheduler_->update(sampled);
+    coverage_.forks += static_cast<int64_t>(result.forks.size());
+    coverage_.finished += static_cast<int64_t>(result.finished.size());
+    apply_to_model(*out, sampled, result);
+  }
+
+  // What the runner does: copies, then writes, then every row reads its context.
+  void simulate_forward(const StepOutput& out) {
+    std::set<BlockId> copy_dsts, copy_srcs;
+    for (const BlockCopy& c : out.block_copies) {
+      ASSERT_TRUE(copy_dsts.insert(c.dst).second) << "two copies into block " << c.dst;
+      copy_srcs.insert(c.src);
+    }
+    for (BlockId d : copy_dsts) ASSERT_FALSE(copy_srcs.count(d)) << "block " << d << " both copied from and into";
+    const auto bs = static_cast<size_t>(config_.block_size);
+    for (const BlockCopy& c : out.block_copies) {
+      std::copy_n(kv_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(c.src) * bs), bs,
+                  kv_.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(c.dst) * bs));
+    }
+    std::set<int32_t> written;
+    for (int32_t i = 0; i < out.num_tokens; ++i) {
+      const int32_t slot = out.slot_mapping[static_cast<size_t>(i)];
+      ASSERT_TRUE(written.insert(slot).second) << "two tokens write slot " << slot;
+      ASSERT_EQ(scheduler_->pool().refcount(slot / config_.block_size), 1) << "write into a shared block";
+      kv_[static_cast<size_t>(slot)] = encode(out.positions[static_cast<size_t>(i)], out.input_ids[static_cast<size_t>(i)]);
+    }
+    for (int32_t r = 0; r < out.num_seqs; ++r) {
+      const ModelSeq& seq = model_.at(out.seq_ids[static_cast<size_t>(r)]);
+      const int32_t begin = out.query_start_loc[static_cast<size_t>(r)];
+      const int32_t end = out.query_start_loc[static_cast<size_t>(r) + 1];
+      const int32_t seq_len = out.seq_lens[static_cast<size_t>(r)];
+      ASSERT_LE(seq_len, static_cast<int32_t>(seq.tokens.size()));
+      ASSERT_EQ(r < out.num_decodes, end - begin == 1);
+      for (int32_t i = begin; i < end; ++i) {
+        ASSERT_EQ(out.positions[static_cast<size_t>(i)], seq_len - (end - i));
+        ASSERT_EQ(out.input_ids[static_cast<size_t>(i)], seq.tokens[static_cast<size_t>(out.positions[static_cast<size_t>(i)])]);
+      }
+      for (int32_t pos = 0; pos < seq_len; ++pos) {
+        const BlockId block =
+            out.block_tables[static_cast<size_t>(r * out.max_blocks_per_seq + pos / config_.block_size)];
+        const auto slot = static_cast<size_t>(block * config_.block_size + pos % config_.block_size);
+        ASSERT_EQ(kv_[slot], encode(pos, seq.tokens[static_cast<size_t>(pos)]))
+            << "row " << r << " reads the wrong KV at position " << pos;
+      }
+    }
+    ASSERT_LE(out.num_tokens, config_.max_num_batched_tokens);
+  }
+
+  static int64_t encode(int32_t pos, TokenId token) { return static_cast<int64_t>(pos) * 1000 + token; }
+
+  void apply_to_model(const StepOutput& out, const std::vector<TokenId>& sampled, const UpdateResult& result) {
+    std::map<SeqId, FinishReason> finished;
+    for (const FinishedSeq& f : result.finished) finished[f.id] = f.reason;
+    std::map<SeqId, std::vector<ForkedSeq>> forks;
+    for (const ForkedSeq& f : result.forks) forks[f.parent].push_back(f);
+    size_t offset = 0;
+    for (size_t r = 0; r < out.sample_rows.size(); ++r) {
+      const auto n = static_cast<size_t>(out.num_samples[r]);
+      const SeqId id = out.seq_ids[static_cast<size_t>(out.sample_rows[r])];
+      const size_t first = offset;
+      offset += n;
+      if (!model_.count(id)) continue;  // aborted in flight
+      ModelSeq parent = model_[id];
+      ASSERT_EQ(forks[id].size(), n - 1);
+      for (const ForkedSeq& f : forks[id]) {
+        ModelSeq child = parent;
+        child.params.n = 1;
+        child.tokens.push_back(sampled[first + static_cast<size_t>(f.sample_index)]);
+        model_[f.child] = child;
+        expect_finish(f.child, finished);
+      }
+      model_[id].tokens.push_back(sampled[first]);
+      expect_finish(id, finished);
+    }
+    for (const auto& [id, reason] : finished) ASSERT_FALSE(model_.count(id)) << "unexpected finish of " << id;
+    for (const auto& [id, seq] : model_) {
+      const Sequence* real = scheduler_->find(id);
+      ASSERT_NE(real, nullptr) << "sequence " << id << " lost";
+      ASSERT_EQ(real->tokens, seq.tokens);
+    }
+  }
+
+  void expect_finish(SeqId id, std::map<SeqId, FinishReason>& finished) {
+    const ModelSeq& seq = model_.at(id);
+    const TokenId last = seq.tokens.back();
+    const auto generated = static_cast<int32_t>(seq.tokens.size()) - seq.num_prompt;
+    FinishReason want = FinishReason::kNone;
+    const bool stop = std::count(seq.params.stop_token_ids.begin(), seq.params.stop_token_ids.end(), last) > 0;
+    if (generated >= seq.params.min_tokens && ((last == kEos && !seq.params.ignore_eos) || stop)) {
+      want = FinishReason::kStop;
+    } else if (generated >= seq.params.max_tokens || static_cast<int32_t>(seq.tokens.size()) >= config_.max_model_len) {
+      want = FinishReason::kLength;
+    }
+    auto it = finished.find(id);
+    const FinishReason got = it == finished.end() ? FinishReason::kNone : it->second;
+    ASSERT_EQ(got, want) << "sequence " << id;
+    if (got != FinishReason::kNone) {
+      finished.erase(it);
+      model_.erase(id);
+    }
+  }
+
+  void check_accounting() {
+    const BlockPool& pool = scheduler_->pool();
+    ASSERT_NO_THROW(pool.check_invariants());
+    std::vector<int32_t> holders(static_cast<size_t>(config_.num_blocks), 0);
+    int32_t live = 0;
+    for (const auto& ids : {scheduler_->running_ids(), scheduler_->waiting_ids()}) {
+      for (SeqId id : ids) {
+        ++live;
+        const Sequence* seq = scheduler_->find(id);
+        ASSERT_NE(seq, nullptr);
+        if (seq->status == SeqStatus::kWaiting) {
+          ASSERT_EQ(seq->table.num_blocks(), 0) << "waiting with blocks";
+        }
+        for (BlockId b : seq->table.blocks()) ++holders[static_cast<size_t>(b)];
+      }
+    }
+    ASSERT_EQ(live, static_cast<int32_t>(model_.size()));
+    for (BlockId b = 0; b < config_.num_blocks; ++b) {
+      ASSERT_EQ(pool.refcount(b), holders[static_cast<size_t>(b)]) << "block " << b;
+    }
+  }
+
+  void drain() {
+    for (int guard = 0; scheduler_->has_unfinished(); ++guard) {
+      ASSERT_LT(guard, 100000) << "scheduler never drains";
+      step();
+      check_accounting();
+    }
+    ASSERT_EQ(scheduler_->pool().num_free(), config_.num_blocks) << "blocks leaked";
+    ASSERT_EQ(scheduler_->pool().total_refs(), 0);
+  }
+
+  std::mt19937_64& rng_;
+  Coverage& coverage_;
+  SchedulerConfig config_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::vector<int64_t> kv_;
+  std::vector<std::vector<TokenId>> bases_;
+  std::map<SeqId, ModelSeq> model_;
+};
+
+TEST(SchedulerProperty, HundredThousandRandomOperationsKeepEveryInvariant) {
+  std::mt19937_64 rng(20261122);
+  Coverage coverage;
+  int total = 0;
+  for (int scenario = 0; total < 100000; ++scenario) {
+    SCOPED_TRACE("scenario " + std::to_string(scenario));
+    {
+      PropertyHarness harness(rng, coverage);
+      harness.run(1000);
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+    total += 1000;
+  }
+  std::printf("steps %lld, tokens %lld, preemptions %lld, block copies %lld, prefix hit blocks %lld, rejected %lld, "
+              "forks %lld, in-flight aborts %lld, finished %lld\n",
+              static_cast<long long>(coverage.steps), static_cast<long long>(coverage.tokens),
+              static_cast<long long>(coverage.preemptions), static_cast<long long>(coverage.copies),
+              static_cast<long long>(coverage.prefix_hit_blocks), static_cast<long long>(coverage.rejected),
+              static_cast<long long>(coverage.forks), static_cast<long long>(coverage.in_flight_aborts),
+              static_cast<long long>(coverage.finished));
+  EXPECT_GT(coverage.preemptions, 500);
+  EXPECT_GT(coverage.copies, 500);
+  EXPECT_GT(coverage.prefix_hit_blocks, 500);
+  EXPECT_GT(coverage.rejected, 50);
+  EXPECT_GT(coverage.forks, 500);
+  EXPECT_GT(coverage.in_flight_aborts, 500);
+  EXPECT_GT(coverage.finished, 5000);
+}
+
+}  // namespace
+}  // namespace pagedserve
