@@ -3,4 +3,26 @@
 from pagedserve import _core
 
 __version__ = "0.1.0"
-__all__ = ["_core"]
+
+
+def __getattr__(name):
+    # Lazy: `import pagedserve` stays light (no torch import) for the bindings and tools.
+    if name == "LLM":
+        from pagedserve.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from pagedserve.sampling_params import SamplingParams
+        return SamplingParams
+    if name == "LLMEngine":
+        from pagedserve.engine import LLMEngine
+        return LLMEngine
+    if name == "EngineConfig":
+        from pagedserve.engine_config import EngineConfig
+        return EngineConfig
+    if name in ("RequestOutput", "CompletionOutput"):
+        from pagedserve import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "_core"]

@@ -1,0 +1,48 @@
+"""ModelRunner: executes one scheduled step on the model's device.
+
+The scheduler decides, the runner executes: apply the step's copy-on-write
+block copies to the KV cache, move the step's index arrays to the device, run
+the forward (a CUDA-graph replay for decode batches on CUDA), compute logits
+for the rows that sample, and sample them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedserve import ops
+from pagedserve.step_inputs import StepInputs
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache: torch.Tensor, sampler, *, max_num_tokens: int, max_num_seqs: int,
+                 max_blocks_per_seq: int, graphs=None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = sampler
+        self.device = kv_cache.device
+        self.inputs = StepInputs(max_num_tokens, max_num_seqs, max_blocks_per_seq, self.device)
+        self.graphs = graphs  # CudaGraphs or None
+        self.workspace: Optional[torch.Tensor] = None
+
+    @torch.inference_mode()
+    def execute(self, step, rows):
+        """Runs `step` (a _core.StepOutput) and samples `rows` (one SamplingRow per sample row)."""
+        if step.block_copies.shape[0]:
+            copies = torch.from_numpy(step.block_copies.copy()).to(self.device, non_blocking=True)
+            ops.copy_blocks(self.kv_cache, copies)
+        logits = self.compute_logits(step)
+        return self.sampler(logits, rows)
+
+    def compute_logits(self, step) -> torch.Tensor:
+        graph = self.graphs.lookup(step) if self.graphs is not None else None
+        if graph is not None:
+            input_ids, positions, attn, logits_indices = self.inputs.prepare(step, padded_num_seqs=graph.batch_size)
+            hidden = graph.replay()
+        else:
+            input_ids, positions, attn, logits_indices = self.inputs.prepare(step)
+            attn.workspace = self.workspace
+            hidden = self.model.forward(input_ids, positions, attn, self.kv_cache)
+        return self.model.compute_logits(hidden[logits_indices.long()])

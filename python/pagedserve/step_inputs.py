@@ -1,0 +1,101 @@
+"""StepInputs: the scheduler's flat int32 arrays moved to the model's device.
+
+All per-step index arrays live in ONE host buffer at fixed offsets (pinned
+memory on CUDA) and reach the device in ONE copy; the device-side tensors are
+views at the same offsets. The offsets and capacities never change, so CUDA
+graphs captured over these views see each new step's values in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pagedserve.attention_metadata import AttentionMetadata
+
+PAD_SLOT = -1  # cpp/ops/kv_cache_layout.h kPadSlot: writers skip it
+
+
+@dataclass
+class _Segment:
+    offset: int
+    capacity: int
+
+
+class StepInputs:
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
+        self.device = device
+        self.max_num_tokens = max_num_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_blocks_per_seq = max_blocks_per_seq
+        sizes = {
+            "input_ids": max_num_tokens,
+            "positions": max_num_tokens,
+            "slot_mapping": max_num_tokens,
+            "query_start_loc": max_num_seqs + 1,
+            "seq_lens": max_num_seqs,
+            "logits_indices": max_num_tokens,
+            "block_tables": max_num_seqs * max_blocks_per_seq,  # last: copied only as far as used
+        }
+        self._segments: dict[str, _Segment] = {}
+        offset = 0
+        for name, size in sizes.items():
+            self._segments[name] = _Segment(offset, size)
+            offset += size
+        pin = device.type == "cuda"
+        self._host = torch.zeros(offset, dtype=torch.int32, pin_memory=pin)
+        self._host_np = self._host.numpy()
+        self._device = self._host if device.type == "cpu" else torch.zeros(offset, dtype=torch.int32, device=device)
+        self.block_tables = self._view("block_tables").view(max_num_seqs, max_blocks_per_seq)
+
+    def _view(self, name: str) -> torch.Tensor:
+        seg = self._segments[name]
+        return self._device[seg.offset:seg.offset + seg.capacity]
+
+    def _host_view(self, name: str) -> np.ndarray:
+        seg = self._segments[name]
+        return self._host_np[seg.offset:seg.offset + seg.capacity]
+
+    def prepare(self, step, padded_num_seqs: int | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                        AttentionMetadata, torch.Tensor]:
+        """Copies the step to the device. With padded_num_seqs (a decode-only step
+        replayed by a CUDA graph), rows past the step are padding that writes no
+        KV and attends to nothing. Returns (input_ids, positions, attn, logits_indices)."""
+        num_seqs, num_tokens = step.num_seqs, step.num_tokens
+        if num_tokens > self.max_num_tokens or num_seqs > self.max_num_seqs:
+            raise ValueError(f"step of {num_tokens} tokens / {num_seqs} seqs exceeds the runner's buffers")
+        rows = padded_num_seqs or num_seqs
+        tokens = num_tokens if padded_num_seqs is None else padded_num_seqs  # decode: one token per row
+        h = self._host_view
+        h("input_ids")[:num_tokens] = step.input_ids
+        h("positions")[:num_tokens] = step.positions
+        h("slot_mapping")[:num_tokens] = step.slot_mapping
+        h("query_start_loc")[:num_seqs + 1] = step.query_start_loc
+        h("seq_lens")[:num_seqs] = step.seq_lens
+        num_logits = len(step.logits_indices)
+        h("logits_indices")[:num_logits] = step.logits_indices
+        if rows > num_seqs:
+            h("input_ids")[num_tokens:tokens] = 0
+            h("positions")[num_tokens:tokens] = 0
+            h("slot_mapping")[num_tokens:tokens] = PAD_SLOT
+            h("query_start_loc")[num_seqs + 1:rows + 1] = np.arange(num_tokens + 1, tokens + 1)
+            h("seq_lens")[num_seqs:rows] = 0
+        width = step.max_blocks_per_seq
+        bt = h("block_tables").reshape(self.max_num_seqs, self.max_blocks_per_seq)
+        bt[:num_seqs, :width] = step.block_tables
+        used = self._segments["block_tables"].offset + rows * self.max_blocks_per_seq
+        if self._device is not self._host:
+            self._device[:used].copy_(self._host[:used], non_blocking=True)
+        attn = AttentionMetadata(
+            slot_mapping=self._view("slot_mapping")[:tokens],
+            block_tables=self.block_tables[:rows],
+            query_start_loc=self._view("query_start_loc")[:rows + 1],
+            seq_lens=self._view("seq_lens")[:rows],
+            max_query_len=step.max_query_len,
+            max_seq_len=step.max_seq_len,
+            num_decodes=rows if padded_num_seqs else step.num_decodes,
+        )
+        return (self._view("input_ids")[:tokens], self._view("positions")[:tokens], attn,
+                self._view("logits_indices")[:num_logits])

@@ -1,0 +1,113 @@
+"""Worker: everything that lives on the model's device, built once.
+
+Loads the model and tokenizer, sizes and allocates the KV cache from the
+memory budget, and owns the scheduler (sized to that cache), the sampler and
+the model runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from pagedserve import _core
+from pagedserve.config import ModelConfig
+from pagedserve.engine_config import EngineConfig
+from pagedserve.kv_cache import allocate_kv_cache, bytes_per_block
+from pagedserve.model_runner import ModelRunner
+from pagedserve.models import build_model
+from pagedserve.sampler import Sampler
+from pagedserve.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+
+logger = logging.getLogger("pagedserve")
+
+CPU_KV_CACHE_GB = 1.0
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() and _core.has_cuda else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU")
+        if not _core.has_cuda:
+            raise ValueError("device='cuda' needs the extension built with CUDA: "
+                             "pip install -C cmake.define.USE_CUDA=ON .")
+    return device
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    if model is None:
+        from pagedserve.default_model import default_model_dir
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{model!r} is not a local model directory with a config.json "
+                         "(pagedserve never downloads from a model hub)")
+    return path
+
+
+class Worker:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model_dir = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_model_dir(self.model_dir, dtype=config.dtype, device=self.device)
+        mc = self.model_config
+        has_tokenizer = any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+        self.tokenizer = load_tokenizer(self.model_dir) if has_tokenizer else None
+        self.model = build_model(mc, self.device, load_format=config.load_format, seed=config.seed)
+
+        cuda = self.device.type == "cuda"
+        self.max_num_seqs = config.max_num_seqs or (256 if cuda else 64)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(8192 if cuda else 2048,
+                                                                           self.max_num_seqs)
+        self.block_size = config.block_size
+        max_model_len = config.max_model_len or mc.max_position_embeddings
+        num_blocks = self._num_kv_blocks(max_model_len)
+        capacity = num_blocks * self.block_size
+        if max_model_len > capacity:
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len={max_model_len} needs {math.ceil(max_model_len / self.block_size)} "
+                                 f"KV blocks, the cache holds {num_blocks}: raise the KV memory or lower "
+                                 "max_model_len")
+            logger.warning("lowering max_model_len from %d to %d to fit the KV cache", max_model_len, capacity)
+            max_model_len = capacity
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_blocks
+        self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, num_blocks, mc.num_key_value_heads,
+                                          self.block_size, mc.head_dim, mc.dtype, self.device)
+        eos = eos_token_ids(self.tokenizer, mc.eos_token_ids) if self.tokenizer is not None else list(mc.eos_token_ids)
+        self.eos_token_ids = eos
+        self.scheduler = _core.Scheduler(_core.SchedulerConfig(
+            num_blocks=num_blocks, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=config.enable_prefix_caching, eos_token_ids=eos))
+        self.sampler = Sampler(self.device, mc.vocab_size, eos, seed=config.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler,
+                                  max_num_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                                  max_blocks_per_seq=math.ceil(max_model_len / self.block_size))
+        logger.info("model %s on %s (%s): %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
+                    self.model_dir.name, self.device, mc.dtype, num_blocks, self.block_size,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**30, max_model_len)
+
+    def _num_kv_blocks(self, max_model_len: int) -> int:
+        if self.config.num_kv_blocks:
+            return self.config.num_kv_blocks
+        mc = self.model_config
+        per_block = bytes_per_block(mc.num_hidden_layers, mc.num_key_value_heads, self.block_size, mc.head_dim,
+                                    mc.dtype)
+        budget = (self.config.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30
+        # No point holding more than every sequence at full length needs.
+        useful = self.max_num_seqs * math.ceil(max_model_len / self.block_size)
+        return max(1, min(int(budget // per_block), useful))
+
+    def encode(self, text: str) -> list[int]:
+        return encode_prompt(self.tokenizer, text)
+
+    def execute(self, step, rows):
+        return self.runner.execute(step, rows)
