@@ -19,8 +19,9 @@ NEG_INF = float("-inf")
 
 def apply_min_tokens(logits: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
     """Forbid the (row, token) pairs in ``blocked`` [2, M]: stop tokens before min_tokens."""
-    return logits.index_put((blocked[0], blocked[1]),
-                            torch.tensor(NEG_INF, device=logits.device, dtype=logits.dtype))
+    # torch.full fills on the device; a tensor built from a Python float would be a host copy.
+    forbidden = torch.full((), NEG_INF, device=logits.device, dtype=logits.dtype)
+    return logits.index_put((blocked[0], blocked[1]), forbidden)
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyTokens) -> torch.Tensor:
