@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from pagedserve import sampling_ops
 from pagedserve.sampler import Sampler, SampleLogprobs, SamplingRow
 from pagedserve.sampling_ops import apply_min_p_, apply_penalties, apply_top_k_top_p_
 from pagedserve.sampling_params import SamplingParams
@@ -130,15 +131,26 @@ def test_callers_logits_are_not_modified():
 # -- truncation masks vs naive -----------------------------------------------------
 
 
-def test_top_k_top_p_masks_match_naive_per_row():
+MIXED_TRUNCATION = [(0, 1.0), (1, 1.0), (5, 1.0), (0, 0.3), (0, 0.9), (6, 0.5), (37, 0.99),
+                    (0, 1.0)]
+TOP_K_ONLY = [(0, 1.0), (1, 1.0), (5, 1.0), (36, 1.0), (37, 1.0), (2, 1.0), (0, 1.0), (0, 1.0)]
+
+
+@pytest.mark.parametrize("settings, limit", [
+    (MIXED_TRUNCATION, None),  # one sort for top_k and top_p
+    (TOP_K_ONLY, None),  # top_k alone: partial selection
+    (TOP_K_ONLY, 4),  # top_k above the selection limit: the sort path without top_p
+], ids=["sort", "select", "sort_top_k_only"])
+def test_top_k_top_p_masks_match_naive_per_row(settings, limit, monkeypatch):
     vocab = 37
+    if limit is not None:
+        monkeypatch.setattr(sampling_ops, "TOP_K_SELECT_LIMIT", limit)
     logits = random_logits(8, vocab, seed=5)
     logits[7, :20] -= 40.0  # tiny-probability tail: a row without top_p must keep it
-    settings = [(0, 1.0), (1, 1.0), (5, 1.0), (0, 0.3), (0, 0.9), (6, 0.5), (vocab, 0.99), (0, 1.0)]
     params = [SamplingParams(top_k=k, top_p=p) for k, p in settings]
     batch = build_sampling_batch([row(p) for p in params], vocab, [EOS], torch.device("cpu"))
     masked = logits.clone()
-    apply_top_k_top_p_(masked, batch.top_k, batch.top_p)
+    apply_top_k_top_p_(masked, batch.top_k, batch.top_p, batch.max_top_k)
     for i, p in enumerate(params):
         expected = naive_truncated_distribution(logits[i].tolist(), p)
         kept = {t for t in range(vocab) if masked[i, t] != NEG_INF}
@@ -235,10 +247,6 @@ def test_min_tokens_applies_to_random_rows():
 # -- seeds and parallel sampling ---------------------------------------------------
 
 
-def run_steps(sampler: Sampler, logits_per_step: list[torch.Tensor], rows_per_step) -> list[list[int]]:
-    return [sampler(logits, rows).token_ids for logits, rows in zip(logits_per_step, rows_per_step)]
-
-
 def test_seeded_row_is_reproducible_across_batch_composition_and_order():
     vocab, steps = 500, 4
     target_logits = [random_logits(1, vocab, seed=100 + s, scale=0.5) for s in range(steps)]
@@ -292,6 +300,16 @@ def test_parallel_samples_differ_and_are_reproducible_with_a_seed():
     samples = draw(0)
     assert len(samples) == n and len(set(samples)) > 1
     assert draw(3) == samples
+
+
+def test_forked_generators_are_distinct_and_reproducible():
+    sampler = Sampler("cpu", 100, [EOS])
+    params = SamplingParams(seed=11)
+    draws = [sampler.generator_for(params, i).initial_seed() for i in range(4)]
+    assert len(set(draws)) == 4
+    assert draws == [sampler.generator_for(params, i).initial_seed() for i in range(4)]
+    assert draws[0] == 11
+    assert sampler.generator_for(SamplingParams()) is None
 
 
 # -- logprobs ----------------------------------------------------------------------

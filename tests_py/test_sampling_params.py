@@ -12,7 +12,7 @@ def test_defaults_match_vllm():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert (p.seed, p.stop, p.stop_token_ids) == (None, [], [])
-    assert (p.include_stop_str_in_output, p.ignore_eos, p.skip_special_tokens) == (False, False, True)
+    assert not p.include_stop_str_in_output and not p.ignore_eos and p.skip_special_tokens
     assert (p.max_tokens, p.min_tokens, p.logprobs) == (16, 0, None)
     assert not p.greedy and not p.has_penalties and not p.top_k_enabled
 
@@ -26,7 +26,8 @@ def test_normalization():
     assert SamplingParams(max_tokens=None).max_tokens is None
 
 
-@pytest.mark.parametrize("temperature, greedy", [(0.0, True), (1e-6, True), (1e-5, False), (0.7, False)])
+@pytest.mark.parametrize("temperature, greedy",
+                         [(0.0, True), (1e-6, True), (1e-5, False), (0.7, False)])
 def test_greedy_property(temperature, greedy):
     assert SamplingParams(temperature=temperature).greedy is greedy
 

@@ -30,6 +30,9 @@ from pagedserve.sampling_tensors import SamplingBatch, SamplingRow, build_sampli
 
 __all__ = ["Sampler", "SamplerOutput", "SampleLogprobs", "SamplingRow"]
 
+# An odd 64-bit constant (the golden ratio's fraction) that spreads fork seeds apart.
+_FORK_SEED_STRIDE = 0x9E3779B97F4A7C15
+
 
 @dataclass
 class SampleLogprobs:
@@ -61,11 +64,17 @@ class Sampler:
         else:
             self.generator.manual_seed(seed)
 
-    def generator_for(self, params: SamplingParams) -> Optional[torch.Generator]:
-        """The per-request generator a seeded request keeps for its lifetime."""
+    def generator_for(self, params: SamplingParams,
+                      sample_index: int = 0) -> Optional[torch.Generator]:
+        """The generator a seeded request (or its sample_index-th fork) keeps for its lifetime.
+
+        Forks of one seeded request get distinct, reproducible streams, so a
+        child's tokens do not depend on where its siblings sit in the batch.
+        """
         if params.seed is None:
             return None
-        return torch.Generator(device=self.device).manual_seed(params.seed)
+        seed = (params.seed + sample_index * _FORK_SEED_STRIDE) % 2**64
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         self._check_inputs(logits, rows)
@@ -107,7 +116,7 @@ class Sampler:
         if batch.min_p is not None:
             apply_min_p_(logits, batch.min_p)
         if batch.top_k is not None or batch.top_p is not None:
-            apply_top_k_top_p_(logits, batch.top_k, batch.top_p)
+            apply_top_k_top_p_(logits, batch.top_k, batch.top_p, batch.max_top_k)
         probs = self._per_sample(logits.softmax(dim=-1), batch)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for seeded in batch.seeded:
@@ -137,7 +146,8 @@ class Sampler:
             p = row.params
             if not p.greedy or p.has_penalties or p.logprobs is not None:
                 return False
-            if len(row.output_token_ids) < p.min_tokens and (p.stop_token_ids or self.eos_token_ids):
+            blocks_stop_tokens = bool(p.stop_token_ids or self.eos_token_ids)
+            if len(row.output_token_ids) < p.min_tokens and blocks_stop_tokens:
                 return False
         return True
 

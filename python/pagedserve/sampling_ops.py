@@ -60,15 +60,36 @@ def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     logits.masked_fill_(logits < threshold, NEG_INF)
 
 
+# Up to this k a partial selection (topk) beats a full sort of the vocabulary.
+TOP_K_SELECT_LIMIT = 256
+
+
 def apply_top_k_top_p_(logits: torch.Tensor, top_k: Optional[torch.Tensor],
-                       top_p: Optional[torch.Tensor]) -> None:
+                       top_p: Optional[torch.Tensor], max_top_k: int) -> None:
     """Keep each row's top_k tokens, then the smallest prefix holding top_p of their mass.
 
-    One descending sort finds, per row, the smallest logit that survives both
-    filters; everything strictly below it is masked in the unsorted tensor
-    (so no scatter back is needed, and ties with the cutoff survive).
-    top_k: [R] int64 in [1, V] (V = disabled); top_p: [R, 1] in (0, 1].
+    top_k: [R] int64 in [1, V] (V = disabled), max_top_k the largest enabled
+    value; top_p: [R, 1] in (0, 1]. Ties with a row's cutoff logit survive.
     """
+    if top_p is None and top_k is not None and max_top_k <= TOP_K_SELECT_LIMIT:
+        _apply_top_k_by_selection_(logits, top_k, max_top_k)
+    else:
+        _apply_top_k_top_p_by_sort_(logits, top_k, top_p)
+
+
+def _apply_top_k_by_selection_(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
+    vocab_size = logits.shape[-1]
+    best = logits.topk(max_top_k, dim=-1).values  # descending
+    cutoff = best.gather(1, (top_k.clamp_max(max_top_k) - 1).unsqueeze(1))
+    cutoff.masked_fill_((top_k >= vocab_size).unsqueeze(1), NEG_INF)  # rows without top_k
+    logits.masked_fill_(logits < cutoff, NEG_INF)
+
+
+def _apply_top_k_top_p_by_sort_(logits: torch.Tensor, top_k: Optional[torch.Tensor],
+                                top_p: Optional[torch.Tensor]) -> None:
+    """One descending sort finds, per row, the smallest logit that survives both
+    filters; everything strictly below it is masked in the unsorted tensor, so
+    no scatter back is needed."""
     vocab_size = logits.shape[-1]
     sorted_logits, _ = logits.sort(dim=-1, descending=True)
     if top_k is not None:

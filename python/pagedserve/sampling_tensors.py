@@ -10,7 +10,7 @@ the host-side flags the sampler uses to skip work nobody asked for.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -63,6 +63,7 @@ class SamplingBatch:
     temperature: Optional[torch.Tensor]  # [R, 1]; 1 for greedy rows; None when all greedy
     min_p: Optional[torch.Tensor]  # [R, 1]; None when no row uses min_p
     top_k: Optional[torch.Tensor]  # [R] int64, vocab_size when disabled; None when unused
+    max_top_k: int  # the largest enabled top_k (0 when unused)
     top_p: Optional[torch.Tensor]  # [R, 1]; None when no row uses top_p
     penalties: Optional[PenaltyTokens]
     min_tokens_block: Optional[torch.Tensor]  # [2, M] (row, token) pairs to mask
@@ -98,20 +99,22 @@ def build_sampling_batch(rows: Sequence[SamplingRow], vocab_size: int,
 
 
 def _shaping_tensors(params: Sequence[SamplingParams], vocab_size: int, device: torch.device,
-                     all_greedy: bool) -> dict[str, Optional[torch.Tensor]]:
+                     all_greedy: bool) -> dict[str, Any]:
     """temperature, min_p, top_k and top_p, shipped to the device in one copy."""
     if all_greedy:
-        return dict(temperature=None, min_p=None, top_k=None, top_p=None)
+        return dict(temperature=None, min_p=None, top_k=None, max_top_k=0, top_p=None)
     temperature = [1.0 if p.greedy else p.temperature for p in params]
     min_p = [p.min_p for p in params]
     # top_k travels as float32: exact for any vocabulary below 2**24 tokens.
     top_k = [min(p.top_k, vocab_size) if p.top_k_enabled else vocab_size for p in params]
     top_p = [p.top_p for p in params]
-    packed = _to_device(torch.tensor([temperature, min_p, top_k, top_p], dtype=torch.float32), device)
+    packed = torch.tensor([temperature, min_p, top_k, top_p], dtype=torch.float32)
+    packed = _to_device(packed, device)
     return dict(
         temperature=packed[0].unsqueeze(1),
         min_p=packed[1].unsqueeze(1) if any(v > 0.0 for v in min_p) else None,
         top_k=packed[2].long() if any(k < vocab_size for k in top_k) else None,
+        max_top_k=max((k for k in top_k if k < vocab_size), default=0),
         top_p=packed[3].unsqueeze(1) if any(v < 1.0 for v in top_p) else None,
     )
 
