@@ -144,6 +144,24 @@ def test_streamed_text_equals_whole_decode(tokenizer, text):
         assert not any("\ufffd" in piece for piece in pieces)
 
 
+class DecodeOnly:
+    """A tokenizer without a Rust backend (like a slow, Python-only one)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=None):
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens,
+                                 clean_up_tokenization_spaces=clean_up_tokenization_spaces)
+
+
+def test_tokenizers_without_a_rust_backend(sentencepiece_tokenizer):
+    tok = sentencepiece_tokenizer
+    ids = tok.encode(SAMPLE_TEXTS[1], add_special_tokens=False)
+    pieces, _ = stream(DecodeOnly(tok), ids[:2], ids[2:])
+    assert "".join(pieces) == expected_output_text(tok, ids[:2], ids[2:])
+
+
 def test_multibyte_characters_are_held_until_complete(byte_level_tokenizer):
     tok = byte_level_tokenizer
     ids = tok.encode("a 👩‍💻 b", add_special_tokens=False)

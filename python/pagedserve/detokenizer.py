@@ -34,6 +34,10 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # A fast tokenizer's Rust decoder gives the same text (without the
+        # clean-up pass) for half the cost of the Python wrapper: this runs for
+        # every sequence on every step.
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self.token_ids = list(prompt_token_ids)
         self.read_offset = len(self.token_ids)
         self.prefix_offset, self._prefix_text = self._first_window()
@@ -80,6 +84,8 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if start >= end:
             return ""
-        return self.tokenizer.decode(self.token_ids[start:end],
-                                     skip_special_tokens=self.skip_special_tokens,
+        ids = self.token_ids[start:end]
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
