@@ -55,7 +55,7 @@ def test_llama3_rope_parameters_written_by_transformers5(tmp_path):
     assert "rope_parameters" in written  # what transformers 5 writes
     config = ModelConfig.from_model_dir(tmp_path, device="cpu")
     assert config.rope_theta == 500000.0
-    assert config.rope_scaling == {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    assert config.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 64}
 
 
@@ -67,7 +67,7 @@ def test_legacy_rope_keys(type_key):
                            "original_max_position_embeddings": 32}
     config = ModelConfig.from_hf_config(raw, device="cpu")
     assert config.rope_theta == 123456.0
-    assert config.rope_scaling == {"factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+    assert config.rope_scaling == {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
                                    "original_max_position_embeddings": 32}
 
 

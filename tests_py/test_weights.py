@@ -36,13 +36,13 @@ def test_parameters_equal_checkpoint_with_merged_projections(tiny_checkpoint, ma
         prefix = f"model.layers.{layer}."
         qkv = torch.cat([hf[f"{prefix}self_attn.{p}_proj.weight"] for p in "qkv"])
         gate_up = torch.cat([hf[f"{prefix}mlp.gate_proj.weight"], hf[f"{prefix}mlp.up_proj.weight"]])
-        assert torch.equal(ours[f"model.{prefix}self_attn.qkv_proj.weight"], qkv)
-        assert torch.equal(ours[f"model.{prefix}mlp.gate_up_proj.weight"], gate_up)
+        assert torch.equal(ours[f"{prefix}self_attn.qkv_proj.weight"], qkv)
+        assert torch.equal(ours[f"{prefix}mlp.gate_up_proj.weight"], gate_up)
         for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight",
                      "post_attention_layernorm.weight"):
-            assert torch.equal(ours[f"model.{prefix}{name}"], hf[prefix + name])
-    assert torch.equal(ours["model.model.embed_tokens.weight"], hf["model.embed_tokens.weight"])
-    assert torch.equal(ours["model.model.norm.weight"], hf["model.norm.weight"])
+            assert torch.equal(ours[f"{prefix}{name}"], hf[prefix + name])
+    assert torch.equal(ours["model.embed_tokens.weight"], hf["model.embed_tokens.weight"])
+    assert torch.equal(ours["model.norm.weight"], hf["model.norm.weight"])
     assert torch.equal(ours["lm_head.weight"], hf["lm_head.weight"])
 
 

@@ -68,9 +68,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    # Llama-3 frequency scaling as pagedserve.ops.rope_cos_sin_cache takes it
-    # (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), or None.
-    rope_scaling: Optional[dict[str, float]]
+    # Llama-3 frequency scaling as pagedserve.ops.rope_cos_sin_cache takes it (rope_type "llama3",
+    # factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), or None.
+    rope_scaling: Optional[dict[str, Any]]
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool  # q/k/v projections carry a bias
@@ -174,7 +174,7 @@ def resolve_dtype(dtype: DTypeLike, checkpoint_dtype: torch.dtype, device: torch
     return resolved
 
 
-def parse_rope(hf_config: Mapping[str, Any], max_positions: int) -> tuple[float, Optional[dict[str, float]]]:
+def parse_rope(hf_config: Mapping[str, Any], max_positions: int) -> tuple[float, Optional[dict[str, Any]]]:
     """Returns (theta, llama3 scaling or None) from either rope spelling."""
     params = dict(hf_config.get("rope_parameters") or {})
     legacy_scaling = hf_config.get("rope_scaling") or {}
@@ -191,6 +191,7 @@ def parse_rope(hf_config: Mapping[str, Any], max_positions: int) -> tuple[float,
         if "factor" not in params:
             raise ValueError("llama3 rope scaling needs a 'factor'")
         return theta, {
+            "rope_type": "llama3",
             "factor": float(params["factor"]),
             "low_freq_factor": float(params.get("low_freq_factor", 1.0)),
             "high_freq_factor": float(params.get("high_freq_factor", 4.0)),
