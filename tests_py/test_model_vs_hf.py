@@ -40,6 +40,8 @@ CASES = {
     "qwen2_tied": (Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True), None),
     "qwen3_wide_heads": (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                            tie_word_embeddings=False), None),
+    "qwen3_biases_tied": (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            attention_bias=True, tie_word_embeddings=True), None),
 }
 
 # Three sequences (prompt length, decode steps) scheduled like continuous batching:
