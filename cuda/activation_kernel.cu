@@ -2,6 +2,8 @@
 //
 // Tiling: a grid-stride loop over the T * I/kVec output vectors; each thread
 // loads one 16-byte vector of gate and one of up, writes one of out.
+// silu(gate) is rounded to the dtype before the product, as HF's LlamaMLP
+// computes F.silu(gate) * up in the model dtype (and so do the CPU ops).
 // Bytes: reads 2 * T * I elements, writes T * I (at TinyLlama's I = 5632,
 // bf16, one 4096-token prefill moves 138 MiB).
 #include <algorithm>
@@ -32,7 +34,7 @@ __global__ void __launch_bounds__(kBlockThreads)
     load_as_float(gate, gate_ptr);
     load_as_float(up, gate_ptr + intermediate);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) result[e] = silu(gate[e]) * up[e];
+    for (int e = 0; e < kVec; ++e) result[e] = round_through<T>(silu(gate[e])) * up[e];
     store_from_float(out + row * intermediate + col, result);
   }
 }

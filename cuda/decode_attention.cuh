@@ -88,22 +88,22 @@ __device__ __forceinline__ void merge_warps_and_store(WarpAttentionState<kHeadDi
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32;
   const int lane = tid % 32;
-  float* warp_max = merge;                                // [kWarps][16]
-  float* warp_sum = merge + kWarps * kHeadsPerCta;        // [kWarps][16]
+  float* row_maxes = merge;                        // [kWarps][16] per-warp row max
+  float* row_sums = merge + kWarps * kHeadsPerCta;  // [kWarps][16] per-warp row sum
   float* slab = merge + 2 * kWarps * kHeadsPerCta;        // [kWarps][16][kSlabRowFloats]
   state.finish_sums();
   const int g = lane / 4;
   if (lane % 4 == 0) {
     for (int half = 0; half < 2; ++half) {
-      warp_max[warp * kHeadsPerCta + g + 8 * half] = state.max[half];
-      warp_sum[warp * kHeadsPerCta + g + 8 * half] = state.sum[half];
+      row_maxes[warp * kHeadsPerCta + g + 8 * half] = state.max[half];
+      row_sums[warp * kHeadsPerCta + g + 8 * half] = state.sum[half];
     }
   }
   __syncthreads();
 
   auto row_max = [&](int r) {
-    float m = warp_max[r];
-    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, warp_max[w * kHeadsPerCta + r]);
+    float m = row_maxes[r];
+    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, row_maxes[w * kHeadsPerCta + r]);
     return m;  // finite: warp 0 always saw the partition's first token
   };
 #pragma unroll
@@ -128,7 +128,7 @@ __device__ __forceinline__ void merge_warps_and_store(WarpAttentionState<kHeadDi
     float l = 0.f;
     float acc[8] = {};
     for (int w = 0; w < kWarps; ++w) {
-      l += warp_sum[w * kHeadsPerCta + r] * exp2f(warp_max[w * kHeadsPerCta + r] - m);
+      l += row_sums[w * kHeadsPerCta + r] * exp2f(row_maxes[w * kHeadsPerCta + r] - m);
       const float* src = slab + (w * kHeadsPerCta + r) * Layout::kSlabRowFloats + col;
       float part[8];
       load_as_float(part, src);

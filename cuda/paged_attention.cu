@@ -51,7 +51,8 @@ int plan_partition_tokens(const PagedAttentionParams& p, int head_dim, size_t wo
 }
 
 DecodeSplit plan_decode_split(const PagedAttentionParams& p, int head_dim, const TensorView& workspace, int device) {
-  const size_t available = static_cast<size_t>(workspace.numel()) * static_cast<size_t>(ops::element_size(workspace.dtype));
+  const size_t available =  // a view without data (None from Python) is no workspace
+      workspace.data == nullptr ? 0 : static_cast<size_t>(workspace.numel()) * ops::element_size(workspace.dtype);
   DecodeSplit split{};
   split.partition_tokens = plan_partition_tokens(p, head_dim, available, device);
   split.num_partitions = std::max(1, ceil_div(p.max_seq_len, split.partition_tokens));

@@ -100,8 +100,10 @@ def misaligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm_ref(x, weight, eps):
-    x = x.double()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    """HF LlamaRMSNorm rounding: the normalized value is rounded to the dtype before the weight multiply."""
+    xd = x.double()
+    normalized = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normalized.double() * weight.double()
 
 
 NORM_SHAPES = [(1, 2048), (7, 128), (300, 2048), (5, 1001), (3, 16384), (2, 8)]
@@ -226,8 +228,9 @@ def test_rotary_embedding_skips_out_of_range_positions():
 
 
 def silu_and_mul_ref(x):
+    """silu(gate) rounded to the dtype before the product, as HF's LlamaMLP computes it."""
     gate, up = x.double().chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    return torch.nn.functional.silu(gate).to(x.dtype).double() * up
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,8 +6,12 @@
 // on: torch.cuda.current_stream().cuda_stream.
 #include <cuda_runtime_api.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>  // std::optional arguments
 
 #include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
 #include <string_view>
 
 #include "bindings/bindings.h"
@@ -20,13 +24,29 @@ namespace {
 namespace py = pybind11;
 using ops::TensorView;
 
-TensorView borrow(const py::capsule& capsule) {
+// Reads argument `arg` of `op` from its capsule without consuming it; any
+// problem becomes a ValueError naming both.
+TensorView borrow(const py::capsule& capsule, const char* op, const char* arg) {
   const char* name = capsule.name();
   if (name == nullptr || std::string_view(name) != "dltensor") {
-    throw py::value_error("expected an unused DLPack capsule named 'dltensor' (torch.utils.dlpack.to_dlpack(t))");
+    throw py::value_error(std::string(op) + ": " + arg +
+                          " must be an unused 'dltensor' capsule from torch.utils.dlpack.to_dlpack");
   }
-  return ops::view_from_dlpack(capsule.get_pointer());
+  try {
+    return ops::view_from_dlpack(capsule.get_pointer());
+  } catch (const std::invalid_argument& e) {
+    constexpr std::string_view kParser = "view_from_dlpack: ";
+    std::string_view reason = e.what();
+    if (reason.starts_with(kParser)) reason.remove_prefix(kParser.size());
+    throw py::value_error(std::string(op) + ": " + arg + ": " + std::string(reason));
+  }
 }
+
+// Binds the op name once, so each lambda lists only its arguments.
+struct Borrower {
+  const char* op;
+  TensorView operator()(const py::capsule& capsule, const char* arg) const { return borrow(capsule, op, arg); }
+};
 
 cudaStream_t as_stream(std::uintptr_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 
@@ -36,33 +56,40 @@ void bind_cuda_ops(py::module_& m) {
   m.def(
       "rms_norm",
       [](const py::capsule& out, const py::capsule& x, const py::capsule& weight, float eps, std::uintptr_t stream) {
-        cuda::rms_norm(borrow(out), borrow(x), borrow(weight), eps, as_stream(stream));
+        const Borrower arg{"rms_norm"};
+        cuda::rms_norm(arg(out, "out"), arg(x, "x"), arg(weight, "weight"), eps, as_stream(stream));
       },
       py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("stream"),
-      "out = x / sqrt(mean(x^2) + eps) * weight, per row.");
+      "out = x / sqrt(mean(x^2) + eps) * weight, per row. x, out: [T, H]; weight: [H].");
 
   m.def(
       "fused_add_rms_norm",
       [](const py::capsule& x, const py::capsule& residual, const py::capsule& weight, float eps,
          std::uintptr_t stream) {
-        cuda::fused_add_rms_norm(borrow(x), borrow(residual), borrow(weight), eps, as_stream(stream));
+        const Borrower arg{"fused_add_rms_norm"};
+        cuda::fused_add_rms_norm(arg(x, "x"), arg(residual, "residual"), arg(weight, "weight"), eps,
+                                 as_stream(stream));
       },
       py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("stream"),
       "In place: residual += x; x = rms_norm(residual) * weight.");
 
   m.def(
       "rotary_embedding",
-      [](const py::capsule& positions, const py::capsule& query, const py::capsule& key, const py::capsule& cos_sin,
-         std::uintptr_t stream) {
-        cuda::rotary_embedding(borrow(positions), borrow(query), borrow(key), borrow(cos_sin), as_stream(stream));
+      [](const py::capsule& positions, const py::capsule& query, const py::capsule& key,
+         const py::capsule& cos_sin_cache, std::uintptr_t stream) {
+        const Borrower arg{"rotary_embedding"};
+        cuda::rotary_embedding(arg(positions, "positions"), arg(query, "query"), arg(key, "key"),
+                               arg(cos_sin_cache, "cos_sin_cache"), as_stream(stream));
       },
-      py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("cos_sin"), py::arg("stream"),
-      "In place half rotation of query [T, Hq, D] and key [T, Hkv, D] by cos_sin [max_position, R] float32.");
+      py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("cos_sin_cache"), py::arg("stream"),
+      "In place NeoX-style rotary embedding of query [T, Hq, D] and key [T, Hkv, D] by cos_sin_cache "
+      "[max_position, R] float32.");
 
   m.def(
       "silu_and_mul",
       [](const py::capsule& out, const py::capsule& x, std::uintptr_t stream) {
-        cuda::silu_and_mul(borrow(out), borrow(x), as_stream(stream));
+        const Borrower arg{"silu_and_mul"};
+        cuda::silu_and_mul(arg(out, "out"), arg(x, "x"), as_stream(stream));
       },
       py::arg("out"), py::arg("x"), py::arg("stream"), "out = silu(x[:, :I]) * x[:, I:].");
 
@@ -70,37 +97,47 @@ void bind_cuda_ops(py::module_& m) {
       "reshape_and_cache",
       [](const py::capsule& key, const py::capsule& value, const py::capsule& key_cache, const py::capsule& value_cache,
          const py::capsule& slot_mapping, std::uintptr_t stream) {
-        cuda::reshape_and_cache(borrow(key), borrow(value), borrow(key_cache), borrow(value_cache),
-                                borrow(slot_mapping), as_stream(stream));
+        const Borrower arg{"reshape_and_cache"};
+        cuda::reshape_and_cache(arg(key, "key"), arg(value, "value"), arg(key_cache, "key_cache"),
+                                arg(value_cache, "value_cache"), arg(slot_mapping, "slot_mapping"),
+                                as_stream(stream));
       },
       py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
-      py::arg("stream"), "Writes each token's key and value into its cache slot; negative slots are skipped.");
+      py::arg("stream"), "Writes each token's key/value into its cache slot; negative slots (padding) are skipped.");
 
   m.def(
       "copy_blocks",
       [](const py::capsule& kv_cache, const py::capsule& block_copies, std::uintptr_t stream) {
-        cuda::copy_blocks(borrow(kv_cache), borrow(block_copies), as_stream(stream));
+        const Borrower arg{"copy_blocks"};
+        cuda::copy_blocks(arg(kv_cache, "kv_cache"), arg(block_copies, "block_copies"), as_stream(stream));
       },
       py::arg("kv_cache"), py::arg("block_copies"), py::arg("stream"),
-      "Copies blocks src -> dst ([C, 2] int32) in every layer's keys and values.");
+      "Copies block src to dst for each (src, dst) row, in every layer's keys and values; the copies of one "
+      "call run in parallel, so no copy may read a block another writes.");
 
   m.def(
       "paged_attention",
       [](const py::capsule& out, const py::capsule& query, const py::capsule& key_cache, const py::capsule& value_cache,
          const py::capsule& block_tables, const py::capsule& query_start_loc, const py::capsule& seq_lens, float scale,
-         int max_query_len, int max_seq_len, int num_decodes, const py::capsule& workspace, std::uintptr_t stream) {
-        cuda::paged_attention(borrow(out), borrow(query), borrow(key_cache), borrow(value_cache),
-                              borrow(block_tables), borrow(query_start_loc), borrow(seq_lens), scale, max_query_len,
-                              max_seq_len, num_decodes, borrow(workspace), as_stream(stream));
+         int max_query_len, int max_seq_len, int num_decodes, const std::optional<py::capsule>& workspace,
+         std::uintptr_t stream) {
+        const Borrower arg{"paged_attention"};
+        const TensorView scratch = workspace ? arg(*workspace, "workspace") : TensorView{};
+        cuda::paged_attention(arg(out, "out"), arg(query, "query"), arg(key_cache, "key_cache"),
+                              arg(value_cache, "value_cache"), arg(block_tables, "block_tables"),
+                              arg(query_start_loc, "query_start_loc"), arg(seq_lens, "seq_lens"), scale,
+                              max_query_len, max_seq_len, num_decodes, scratch, as_stream(stream));
       },
       py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
       py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"), py::arg("max_query_len"),
-      py::arg("max_seq_len"), py::arg("num_decodes"), py::arg("workspace"), py::arg("stream"),
-      "Paged attention over a mixed batch: decode rows [0, num_decodes) first, then prefill rows.");
+      py::arg("max_seq_len"), py::arg("num_decodes"), py::arg("workspace").none(true), py::arg("stream"),
+      "Causal paged attention over a mixed batch: decode rows [0, num_decodes) run the split-K decode kernel, "
+      "the rest the prefill kernel. workspace (or None when no decode row spans two partitions): at least "
+      "paged_attention_workspace_bytes(num_decodes, Hq, D, max_seq_len) bytes.");
 
   m.def("paged_attention_workspace_bytes", &cuda::paged_attention_workspace_bytes, py::arg("num_seqs"),
         py::arg("num_heads"), py::arg("head_dim"), py::arg("max_seq_len"),
-        "Bytes of split-K scratch paged_attention needs for num_seqs decode rows.");
+        "Bytes of split-K scratch paged_attention needs for num_seqs decode rows (allocate once, any dtype).");
 }
 
 }  // namespace pagedserve::bindings
