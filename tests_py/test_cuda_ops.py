@@ -4,7 +4,9 @@ Every kernel is checked against two oracles: the CPU reference op
 (pagedserve._core.ops, run on CPU copies) and a float64 torch reference.
 Inputs are fresh random draws (seeded per test for reproducible failures, the
 seed is in the assertion message), outputs are poisoned with NaN first so an
-unwritten element fails. A small subset runs under compute-sanitizer:
+unwritten element fails. Cache slots no sequence may read hold NaN, so a kernel that reads past a
+sequence's length fails too. A small subset runs under compute-sanitizer
+(memcheck; racecheck and synccheck also apply to the attention kernels):
 
     compute-sanitizer --tool memcheck python -m pytest tests_py/test_cuda_ops.py -k sanitizer_subset
 """
@@ -476,12 +478,13 @@ def test_paged_attention_large_group_and_long_prefill(dtype):
     batch.check(batch.run_cuda(), seed, "group 32")
 
 
-def test_paged_attention_leaves_padding_tokens_alone():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_leaves_padding_tokens_alone(dtype):
     """Tokens past query_start_loc[S] (CUDA-graph padding) are not written."""
     seed = fresh_seed()
     seeded(seed)
-    batch = Batch([(1, 40), (5, 20)], 8, 2, 128, 16, torch.bfloat16)
-    padded_query = torch.cat([batch.query, randn((3, 8, 128), torch.bfloat16)])
+    batch = Batch([(1, 40), (5, 20)], 8, 2, 128, 16, dtype)
+    padded_query = torch.cat([batch.query, randn((3, 8, 128), dtype)])
     out = nan_like(padded_query)
     workspace = batch.workspace()
     cuda_op("paged_attention", out, padded_query, batch.key_cache, batch.value_cache, batch.block_tables,
