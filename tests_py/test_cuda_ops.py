@@ -347,7 +347,7 @@ class Batch:
 
     DEVICE_TENSORS = ("key_cache", "value_cache", "block_tables", "query_start_loc", "seq_lens", "query")
 
-    def copy_into(self, other: "Batch"):
+    def copy_into(self, other: Batch):
         """Writes this batch into other's tensors (same shapes), keeping other's device pointers."""
         for name in self.DEVICE_TENSORS:
             getattr(other, name).copy_(getattr(self, name))
@@ -515,7 +515,7 @@ def test_paged_attention_cuda_graph_replay(dtype):
     seed = fresh_seed()
     seeded(seed)
     max_seq_len, block_size, rows = 2048, 16, 4
-    sizes = dict(num_blocks=rows * max_seq_len // block_size + 1, max_blocks=max_seq_len // block_size)
+    sizes = {"num_blocks": rows * max_seq_len // block_size + 1, "max_blocks": max_seq_len // block_size}
     captured = Batch(decode_rows(rows, 1, 400), 8, 2, 128, block_size, dtype, **sizes)
     workspace = captured.workspace(max_seq_len)
     out = nan_like(captured.query)

@@ -12,7 +12,7 @@ import shutil
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
-LAUNCH = re.compile(r"(\b[\w:]+(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\((.*?)\);", re.S)
+LAUNCH = re.compile(r"(\b[\w:]+(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\((.*?)\);", re.DOTALL)
 
 
 def split_top_level(text):
@@ -46,7 +46,7 @@ def main(out_dir):
         text = text.replace("extern __shared__ __align__(16) unsigned char shared_bytes[];",
                             "unsigned char* shared_bytes = emu_smem;")
         text = text.replace("__shared__ float", "static float")  # CTAs run one at a time
-        if re.search(r">>>\s*\(", text) or re.search(r"^\s*[^/\s].*__shared__", text, re.M):
+        if re.search(r">>>\s*\(", text) or re.search(r"^\s*[^/\s].*__shared__", text, re.MULTILINE):
             sys.exit(f"{path.name}: a launch or shared array the emulator cannot translate")
         (out / (path.stem + ".cc" if path.suffix == ".cu" else path.name)).write_text(text)
 
