@@ -59,9 +59,10 @@ void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies, cud
 // size the grids: max_query_len >= every prefill row's q_len and
 // max_seq_len >= every seq_len (under CUDA graphs pass max_model_len).
 // workspace: scratch of at least paged_attention_workspace_bytes(num_decodes,
-// Hq, D, max_seq_len) bytes, any dtype, 16-byte aligned; it may be empty (no
-// data) when max_seq_len fits one partition. A larger workspace lets small
-// batches split into finer partitions. Tokens past query_start_loc[S] are not written.
+// Hq, D, max_seq_len) bytes in any dtype a TensorView takes (float32 is
+// natural; there is no uint8), 16-byte aligned; it may be empty (no data) when
+// max_seq_len fits one partition. A larger workspace lets small batches split
+// into finer partitions. Tokens past query_start_loc[S] are not written.
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
