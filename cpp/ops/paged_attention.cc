@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "ops/attention_tile.h"
+#include "ops/cpu_isa.h"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
 #include "ops/ops.h"
@@ -151,7 +152,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     scratch.reserve(static_cast<size_t>(run.num_workers()));
     for (int w = 0; w < run.num_workers(); ++w) scratch.emplace_back(plan.max_rows, head_dim);
     run.for_each(static_cast<int64_t>(plan.items.size()), [&](int64_t task, int worker) {
-      attend_work_item(batch, plan.items[static_cast<size_t>(task)], scratch[static_cast<size_t>(worker)]);
+      const AttentionWorkItem& item = plan.items[static_cast<size_t>(task)];
+      AttentionScratch& worker_scratch = scratch[static_cast<size_t>(worker)];
+      with_cpu_isa([&]() PS_INLINE_BODY { attend_work_item(batch, item, worker_scratch); });
     });
   });
 }
