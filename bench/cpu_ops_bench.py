@@ -248,27 +248,29 @@ def machine_info() -> dict:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__, torch_threads=torch.get_num_threads(),
-                pagedserve_threads=ops.num_threads(), python=platform.python_version())
+    return dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__,
+                torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), pagedserve_cpu_isa=ops.cpu_isa(),
+                python=platform.python_version())
 
 
 def to_markdown(info: dict, rows: list[dict], overhead: float) -> str:
     lines = [
         "# CPU ops vs torch (SmolLM2-135M shapes, one layer)",
         "",
-        f"Machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']} with {info['torch_threads']} "
-        f"threads; pagedserve ops with {info['pagedserve_threads']} threads. Median of repeated runs.",
+        f"Machine: {info['cpu']}, {info['cores']} cores. torch {info['torch']} ({info['torch_cpu_capability']} "
+        f"kernels); pagedserve CPU ops with {info['pagedserve_cpu_isa']} kernels. Both use the same thread count "
+        "(first column). Median of repeated runs; shared machines are noisy, so compare within a run.",
         "",
         "Decode: 16 sequences, contexts 280-320 tokens. Prefill: one 512-token prompt. "
         f"Hidden {HIDDEN}, {Q_HEADS} q / {KV_HEADS} kv heads, head dim {HEAD_DIM}, MLP {INTERMEDIATE}, "
         f"block size {BLOCK_SIZE}.",
         "",
-        "| step | dtype | op | tokens | pagedserve (us) | torch (us) | speedup |",
-        "|---|---|---|---:|---:|---:|---:|",
+        "| threads | step | dtype | op | tokens | pagedserve (us) | torch (us) | speedup |",
+        "|---:|---|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['step']} | {r['dtype']} | {r['op']} | {r['tokens']} | {r['pagedserve_us']} | "
-                     f"{r['torch_us']} | {r['speedup']}x |")
+        lines.append(f"| {r['threads']} | {r['step']} | {r['dtype']} | {r['op']} | {r['tokens']} | "
+                     f"{r['pagedserve_us']} | {r['torch_us']} | {r['speedup']}x |")
     lines += ["", f"Fixed cost of one op call from Python (tiny tensors): {overhead:.2f} us.", ""]
     return "\n".join(lines)
 
@@ -277,29 +279,30 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="threads for both torch and pagedserve (default: leave both at their defaults)")
+    parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
+                        help="thread counts to measure, each used by both torch and pagedserve")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-        ops.set_num_threads(args.threads)
-    gen = torch.Generator().manual_seed(0)
     rows = []
     with torch.inference_mode():
-        for dtype_name in args.dtypes:
-            dtype = getattr(torch, dtype_name)
-            for kind in ("decode", "prefill"):
-                rows += bench_step(kind, dtype, args.repeats, gen)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            ops.set_num_threads(threads)
+            for dtype_name in args.dtypes:
+                gen = torch.Generator().manual_seed(0)
+                for kind in ("decode", "prefill"):
+                    rows += [dict(threads=threads, **row) for row in bench_step(kind, getattr(torch, dtype_name),
+                                                                                 args.repeats, gen)]
     overhead = call_overhead_us(args.repeats)
     info = machine_info()
 
-    header = f"{'step':8} {'dtype':9} {'op':40} {'tokens':>6} {'ours us':>10} {'torch us':>10} {'speedup':>8}"
+    header = (f"{'threads':>7} {'step':8} {'dtype':9} {'op':38} {'tokens':>6} {'ours us':>10} {'torch us':>10} "
+              f"{'speedup':>8}")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['step']:8} {r['dtype']:9} {r['op']:40} {r['tokens']:>6} {r['pagedserve_us']:>10} "
+        print(f"{r['threads']:>7} {r['step']:8} {r['dtype']:9} {r['op']:38} {r['tokens']:>6} {r['pagedserve_us']:>10} "
               f"{r['torch_us']:>10} {r['speedup']:>7}x")
     print(f"\nfixed cost of one op call from Python: {overhead:.2f} us")
 

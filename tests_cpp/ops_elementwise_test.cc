@@ -28,12 +28,11 @@ std::vector<double> rms_norm_oracle(const std::vector<double>& x, const std::vec
                                     int64_t hidden, double eps) {
   std::vector<double> out(x.size());
   for (int64_t r = 0; r < rows; ++r) {
+    const auto at = [&](int64_t i) { return static_cast<size_t>(r * hidden + i); };
     double sum = 0;
-    for (int64_t i = 0; i < hidden; ++i) sum += x[static_cast<size_t>(r * hidden + i)] * x[static_cast<size_t>(r * hidden + i)];
+    for (int64_t i = 0; i < hidden; ++i) sum += x[at(i)] * x[at(i)];
     const double inv = 1.0 / std::sqrt(sum / static_cast<double>(hidden) + eps);
-    for (int64_t i = 0; i < hidden; ++i) {
-      out[static_cast<size_t>(r * hidden + i)] = x[static_cast<size_t>(r * hidden + i)] * inv * w[static_cast<size_t>(i)];
-    }
+    for (int64_t i = 0; i < hidden; ++i) out[at(i)] = x[at(i)] * inv * w[static_cast<size_t>(i)];
   }
   return out;
 }
@@ -189,7 +188,7 @@ void rotary_oracle_check(const HostTensor<T>& before, const HostTensor<T>& after
         expected[static_cast<size_t>(base + half + i)] = x2 * cos[i] + x1 * cos[half + i];
       }
       for (int64_t d = 2 * half; d < head_dim; ++d) {
-        ASSERT_EQ(as_double(after[base + d]), as_double(before[base + d])) << "dims past the rotary dim must not change";
+        ASSERT_EQ(as_double(after[base + d]), as_double(before[base + d])) << "dims past the rotary dim changed";
       }
     }
   }
@@ -258,7 +257,8 @@ TEST(NormAndActivation, RejectBadArguments) {
   EXPECT_TRUE(throws_invalid([&] { silu_and_mul(out.view(), on_gpu); }, "silu_and_mul: x must be on the cpu"));
   HostTensor<float> odd({4, 7});
   EXPECT_TRUE(throws_invalid([&] { silu_and_mul(out.view(), odd.view()); }, "x's last dim must be even"));
-  EXPECT_TRUE(throws_invalid([&] { silu_and_mul(out.view(), x.view()); }, "silu_and_mul: out must have size 4 in dim 1"));
+  EXPECT_TRUE(
+      throws_invalid([&] { silu_and_mul(out.view(), x.view()); }, "silu_and_mul: out must have size 4 in dim 1"));
 }
 
 }  // namespace

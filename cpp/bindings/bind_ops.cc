@@ -137,7 +137,8 @@ void bind_ops(py::module_& m) {
   m.def(
       "paged_attention",
       [](const py::capsule& out, const py::capsule& query, const py::capsule& key_cache, const py::capsule& value_cache,
-         const py::capsule& block_tables, const py::capsule& query_start_loc, const py::capsule& seq_lens, float scale) {
+         const py::capsule& block_tables, const py::capsule& query_start_loc, const py::capsule& seq_lens,
+         float scale) {
         const OpArgs arg{"paged_attention"};
         const TensorView o = arg(out, "out"), q = arg(query, "query"),
                          kc = arg(key_cache, "key_cache"), vc = arg(value_cache, "value_cache"),

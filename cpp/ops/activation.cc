@@ -30,7 +30,7 @@ void silu_and_mul(const TensorView& out, const TensorView& x) {
   require_size(op, "out", out, 0, rows);
   require_size(op, "out", out, 1, width);
   dispatch_float(x.dtype, op, [&]<typename T>() {
-    parallel_for_range(rows, 8 * width, [&](int64_t begin, int64_t end) {
+    parallel_for_range(rows, 3 * width, [&](int64_t begin, int64_t end) {
       with_cpu_isa([&]() PS_INLINE_BODY {
         for (int64_t row = begin; row < end; ++row) {
           const T* gate = x.ptr<T>() + row * 2 * width;

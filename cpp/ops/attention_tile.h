@@ -26,6 +26,9 @@
 namespace pagedserve::ops {
 
 inline constexpr int kKeyTile = 16;  // context positions per tile
+// Partial sums per query-key dot product. For head dims of 64-128, 8 measured
+// faster than 16 at every ISA level (the final reduction dominates).
+inline constexpr int kDotLanes = 8;
 
 // One unit of parallel work: queries [q_begin, q_end) of a sequence (indices
 // within its chunk) against kv head kv_head.
@@ -116,10 +119,10 @@ PS_ALWAYS_INLINE void load_kv_tile(const AttentionBatch<T>& b, const int32_t* ta
 }
 
 PS_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kLanes] = {};
+  float lanes[kDotLanes] = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
+  for (; i + kDotLanes <= n; i += kDotLanes) {
+    for (int l = 0; l < kDotLanes; ++l) lanes[l] += a[i + l] * b[i + l];
   }
   float tail = 0.0f;
   for (; i < n; ++i) tail += a[i] * b[i];

@@ -47,21 +47,12 @@ PS_ALWAYS_INLINE void normalize_row(T* out, const T* x, const T* weight, int64_t
 }
 
 // residual += x, stored in T; returns the sum of squares of the stored values.
+// Two passes over one row (it stays in L1): a store and a reduction in one
+// loop would not vectorize.
 template <typename T>
 PS_ALWAYS_INLINE float add_residual_row(T* residual, const T* x, int64_t n) {
-  float lanes[kLanes] = {};
-  const auto add_one = [&](int64_t i, int lane) PS_INLINE_BODY {
-    const T sum = from_float<T>(to_float(residual[i]) + to_float(x[i]));
-    residual[i] = sum;
-    const float stored = to_float(sum);
-    lanes[lane] += stored * stored;
-  };
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) add_one(i + k, k);
-  }
-  for (; i < n; ++i) add_one(i, 0);
-  return sum_lanes(lanes);
+  for (int64_t i = 0; i < n; ++i) residual[i] = from_float<T>(to_float(residual[i]) + to_float(x[i]));
+  return sum_of_squares(residual, n);
 }
 
 void check_norm_args(std::string_view op, std::string_view out_name, const TensorView& out, const TensorView& x,
