@@ -4,6 +4,8 @@ gathered through the block table."""
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -107,6 +109,31 @@ def test_paged_attention_same_result_with_one_thread(gen):
     finally:
         ops.set_num_threads(threads)
     assert torch.equal(single, multi)
+
+
+def test_paged_attention_releases_the_gil(gen):
+    """Another Python thread keeps running while a long attention call is in C++."""
+    batch, _ = build_paged_batch([(1500, 1500)], 9, 3, 64, 16, torch.float32, gen)
+    out = torch.empty_like(batch["query"])
+    args = (out, batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+            batch["query_start_loc"], batch["seq_lens"], 0.125, 1500, 1500)
+    window = {}
+
+    def attend():
+        window["start"] = time.perf_counter()
+        ops.paged_attention(*args)
+        window["end"] = time.perf_counter()
+
+    worker = threading.Thread(target=attend)
+    ticks = []
+    worker.start()
+    while worker.is_alive():
+        ticks.append(time.perf_counter())
+    worker.join()
+    # Ignore the edges, where the worker still holds the GIL converting arguments.
+    margin = 0.1 * (window["end"] - window["start"])
+    inside = [t for t in ticks if window["start"] + margin < t < window["end"] - margin]
+    assert len(inside) > 100, f"only {len(inside)} ticks of this thread ran during the call"
 
 
 def test_paged_attention_rejects_inconsistent_batch(gen):

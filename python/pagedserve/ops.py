@@ -33,7 +33,12 @@ __all__ = [
 
 
 def _backend(tensor: torch.Tensor):
-    """The kernel module for tensors on `tensor`'s device."""
+    """The kernels for tensors on `tensor`'s device: the one dispatch point.
+
+    CPU tensors get `_core.ops`. A CUDA branch goes here: it returns an object with the same
+    functions taking the same arguments, which appends the current stream
+    (torch.cuda.current_stream(tensor.device).cuda_stream) for `_core.cuda_ops`.
+    """
     if tensor.is_cpu:
         return _cpu_ops
     raise ValueError(f"pagedserve.ops: no kernels for tensors on {tensor.device} (this build has CPU ops only)")
