@@ -5,7 +5,7 @@ tokens, and a 512-token prefill. Each op runs on the same inputs as its torch co
 (HF-style RMSNorm / rotary / SiLU-and-mul, index_put into the cache, and attention as K/V
 gathered through the block table followed by scaled_dot_product_attention).
 
-    PYTHONPATH=python python bench/cpu_ops_bench.py [--dtypes float32 bfloat16] [--repeats 50]
+    PYTHONPATH=python python bench/cpu_ops_bench.py [--dtypes float32 bfloat16] [--repeats 50] [--threads 1 16]
 
 Prints a table and writes bench/results/cpu_ops.json and bench/results/cpu_ops.md.
 """
@@ -253,7 +253,7 @@ def machine_info() -> dict:
                 python=platform.python_version())
 
 
-def to_markdown(info: dict, rows: list[dict], overhead: float) -> str:
+def to_markdown(info: dict, rows: list[dict], overhead: float, note: str) -> str:
     lines = [
         "# CPU ops vs torch (SmolLM2-135M shapes, one layer)",
         "",
@@ -272,6 +272,8 @@ def to_markdown(info: dict, rows: list[dict], overhead: float) -> str:
         lines.append(f"| {r['threads']} | {r['step']} | {r['dtype']} | {r['op']} | {r['tokens']} | "
                      f"{r['pagedserve_us']} | {r['torch_us']} | {r['speedup']}x |")
     lines += ["", f"Fixed cost of one op call from Python (tiny tensors): {overhead:.2f} us.", ""]
+    if note:
+        lines += [note, ""]
     return "\n".join(lines)
 
 
@@ -282,6 +284,7 @@ def main():
     parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
                         help="thread counts to measure, each used by both torch and pagedserve")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--note", default="", help="a line added to the markdown (e.g. about the machine's load)")
     args = parser.parse_args()
 
     rows = []
@@ -309,7 +312,7 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cpu_ops.json").write_text(json.dumps(dict(machine=info, call_overhead_us=round(overhead, 2),
                                                            results=rows), indent=2) + "\n")
-    (args.out / "cpu_ops.md").write_text(to_markdown(info, rows, overhead))
+    (args.out / "cpu_ops.md").write_text(to_markdown(info, rows, overhead, args.note))
     print(f"wrote {args.out / 'cpu_ops.json'} and {args.out / 'cpu_ops.md'}")
 
 

@@ -17,6 +17,17 @@ TOL = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def torch_single_thread():
+    """Runs the torch oracles single-threaded. torch's intra-op threads spin after every op, and
+    on a loaded 2-core box that makes these many small reference ops a hundred times slower; the
+    ops under test keep their own thread pool."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)

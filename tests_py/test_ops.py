@@ -8,7 +8,7 @@ import ctypes
 import pytest
 import torch
 import torch.nn.functional as F
-from ops_testing import DTYPES, TOL, cpu_isa, gen, randn  # noqa: F401  (fixtures)
+from ops_testing import DTYPES, TOL, cpu_isa, gen, randn, torch_single_thread  # noqa: F401  (fixtures)
 from torch.utils.dlpack import to_dlpack
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from ops_testing import DTYPES, TOL, cpu_isa, gen, randn  # noqa: F401  (fixtures)
+from ops_testing import DTYPES, TOL, cpu_isa, gen, randn, torch_single_thread  # noqa: F401  (fixtures)
 
 from pagedserve import ops
 

@@ -2,9 +2,9 @@
 //
 // BFloat16 and Half are plain 16-bit containers: kernels load them into
 // float32, compute in float32 and round once on the way back. Every
-// conversion here is written with integer bit operations and selects rather
-// than branches where it matters (loads), so the loops that call them
-// vectorize with baseline x86-64 SSE2.
+// conversion is written with integer bit operations and masked selects, no
+// branches, so the loops that call them vectorize at every ISA level
+// (cpu_isa.h), baseline SSE2 included.
 #pragma once
 
 #include <bit>
