@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch.utils.dlpack import to_dlpack
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
 from pagedserve import _core
 
 DECODE_TARGET = 0.70  # of the copy bandwidth

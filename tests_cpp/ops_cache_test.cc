@@ -69,10 +69,12 @@ TYPED_TEST(CacheOpsTest, ReshapeAndCacheWritesEachSlotAndSkipsPadding) {
 TEST(ReshapeAndCache, RejectsBadArguments) {
   HostTensor<float> key({2, 1, 8}), cache({2, 1, 4, 8}), value_cache({2, 1, 4, 8});
   auto slots = testing::int_tensor({2}, {0, 8});
-  EXPECT_TRUE(throws_invalid([&] { reshape_and_cache(key.view(), key.view(), cache.view(), value_cache.view(), slots.view()); },
+  EXPECT_TRUE(throws_invalid(
+      [&] { reshape_and_cache(key.view(), key.view(), cache.view(), value_cache.view(), slots.view()); },
                              "slot_mapping[1] = 8 is outside the cache [0, 8)"));
   slots[1] = -5;
-  EXPECT_TRUE(throws_invalid([&] { reshape_and_cache(key.view(), key.view(), cache.view(), value_cache.view(), slots.view()); },
+  EXPECT_TRUE(throws_invalid(
+      [&] { reshape_and_cache(key.view(), key.view(), cache.view(), value_cache.view(), slots.view()); },
                              "slot_mapping[1] = -5"));
   slots[1] = 1;
   HostTensor<float> wide_cache({2, 1, 4, 16});

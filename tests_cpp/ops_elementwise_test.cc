@@ -28,12 +28,11 @@ std::vector<double> rms_norm_oracle(const std::vector<double>& x, const std::vec
                                     int64_t hidden, double eps) {
   std::vector<double> out(x.size());
   for (int64_t r = 0; r < rows; ++r) {
+    const auto at = [&](int64_t i) { return static_cast<size_t>(r * hidden + i); };
     double sum = 0;
-    for (int64_t i = 0; i < hidden; ++i) sum += x[static_cast<size_t>(r * hidden + i)] * x[static_cast<size_t>(r * hidden + i)];
+    for (int64_t i = 0; i < hidden; ++i) sum += x[at(i)] * x[at(i)];
     const double inv = 1.0 / std::sqrt(sum / static_cast<double>(hidden) + eps);
-    for (int64_t i = 0; i < hidden; ++i) {
-      out[static_cast<size_t>(r * hidden + i)] = x[static_cast<size_t>(r * hidden + i)] * inv * w[static_cast<size_t>(i)];
-    }
+    for (int64_t i = 0; i < hidden; ++i) out[at(i)] = x[at(i)] * inv * w[static_cast<size_t>(i)];
   }
   return out;
 }
@@ -47,56 +46,64 @@ std::vector<double> to_doubles(const HostTensor<T>& t) {
 
 TYPED_TEST(ElementwiseTest, RmsNorm) {
   using T = TypeParam;
-  for (auto [rows, hidden] : {std::pair<int64_t, int64_t>{1, 576}, {7, 67}, {300, 576}, {3, 5}}) {
-    auto x = random_tensor<T>({rows, hidden}, this->rng_, 3.0f);
-    auto w = random_tensor<T>({hidden}, this->rng_);
-    auto out = testing::full_tensor<T>({rows, hidden}, NAN);
-    rms_norm(out.view(), x.view(), w.view(), 1e-5f);
-    // Two roundings to T: the normalized value, then the product with the weight.
-    EXPECT_TRUE(all_close(out, rms_norm_oracle(to_doubles(x), to_doubles(w), rows, hidden, 1e-5), 2.0))
-        << rows << "x" << hidden;
-  }
+  testing::for_each_cpu_isa([&] {
+    for (auto [rows, hidden] : {std::pair<int64_t, int64_t>{1, 576}, {7, 67}, {300, 576}, {3, 5}}) {
+      auto x = random_tensor<T>({rows, hidden}, this->rng_, 3.0f);
+      auto w = random_tensor<T>({hidden}, this->rng_);
+      auto out = testing::full_tensor<T>({rows, hidden}, NAN);
+      rms_norm(out.view(), x.view(), w.view(), 1e-5f);
+      // Two roundings to T: the normalized value, then the product with the weight.
+      EXPECT_TRUE(all_close(out, rms_norm_oracle(to_doubles(x), to_doubles(w), rows, hidden, 1e-5), 2.0))
+          << rows << "x" << hidden;
+    }
+  });
 }
 
 TYPED_TEST(ElementwiseTest, RmsNormInPlace) {
   using T = TypeParam;
-  auto x = random_tensor<T>({4, 100}, this->rng_);
-  auto w = random_tensor<T>({100}, this->rng_);
-  const auto expected = rms_norm_oracle(to_doubles(x), to_doubles(w), 4, 100, 1e-6);
-  rms_norm(x.view(), x.view(), w.view(), 1e-6f);
-  EXPECT_TRUE(all_close(x, expected, 2.0));
+  testing::for_each_cpu_isa([&] {
+    auto x = random_tensor<T>({4, 100}, this->rng_);
+    auto w = random_tensor<T>({100}, this->rng_);
+    const auto expected = rms_norm_oracle(to_doubles(x), to_doubles(w), 4, 100, 1e-6);
+    rms_norm(x.view(), x.view(), w.view(), 1e-6f);
+    EXPECT_TRUE(all_close(x, expected, 2.0));
+  });
 }
 
 TYPED_TEST(ElementwiseTest, FusedAddRmsNorm) {
   using T = TypeParam;
-  for (auto [rows, hidden] : {std::pair<int64_t, int64_t>{1, 576}, {9, 33}, {260, 576}}) {
-    auto x = random_tensor<T>({rows, hidden}, this->rng_);
-    auto residual = random_tensor<T>({rows, hidden}, this->rng_, 4.0f);
-    auto w = random_tensor<T>({hidden}, this->rng_);
-    std::vector<double> sum = to_doubles(x);
-    for (size_t i = 0; i < sum.size(); ++i) sum[i] += as_double(residual.data[i]);
-    fused_add_rms_norm(x.view(), residual.view(), w.view(), 1e-5f);
-    EXPECT_TRUE(all_close(residual, sum));
-    // The norm reads the residual as stored in T.
-    EXPECT_TRUE(all_close(x, rms_norm_oracle(to_doubles(residual), to_doubles(w), rows, hidden, 1e-5), 2.0));
-  }
+  testing::for_each_cpu_isa([&] {
+    for (auto [rows, hidden] : {std::pair<int64_t, int64_t>{1, 576}, {9, 33}, {260, 576}}) {
+      auto x = random_tensor<T>({rows, hidden}, this->rng_);
+      auto residual = random_tensor<T>({rows, hidden}, this->rng_, 4.0f);
+      auto w = random_tensor<T>({hidden}, this->rng_);
+      std::vector<double> sum = to_doubles(x);
+      for (size_t i = 0; i < sum.size(); ++i) sum[i] += as_double(residual.data[i]);
+      fused_add_rms_norm(x.view(), residual.view(), w.view(), 1e-5f);
+      EXPECT_TRUE(all_close(residual, sum));
+      // The norm reads the residual as stored in T.
+      EXPECT_TRUE(all_close(x, rms_norm_oracle(to_doubles(residual), to_doubles(w), rows, hidden, 1e-5), 2.0));
+    }
+  });
 }
 
 TYPED_TEST(ElementwiseTest, SiluAndMul) {
   using T = TypeParam;
-  for (auto [rows, width] : {std::pair<int64_t, int64_t>{1, 1536}, {13, 37}, {64, 1536}}) {
-    auto x = random_tensor<T>({rows, 2 * width}, this->rng_, 4.0f);
-    auto out = testing::full_tensor<T>({rows, width}, NAN);
-    silu_and_mul(out.view(), x.view());
-    std::vector<double> expected;
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t i = 0; i < width; ++i) {
-        const double g = as_double(x[r * 2 * width + i]);
-        expected.push_back(g / (1.0 + std::exp(-g)) * as_double(x[r * 2 * width + width + i]));
+  testing::for_each_cpu_isa([&] {
+    for (auto [rows, width] : {std::pair<int64_t, int64_t>{1, 1536}, {13, 37}, {64, 1536}}) {
+      auto x = random_tensor<T>({rows, 2 * width}, this->rng_, 4.0f);
+      auto out = testing::full_tensor<T>({rows, width}, NAN);
+      silu_and_mul(out.view(), x.view());
+      std::vector<double> expected;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t i = 0; i < width; ++i) {
+          const double g = as_double(x[r * 2 * width + i]);
+          expected.push_back(g / (1.0 + std::exp(-g)) * as_double(x[r * 2 * width + width + i]));
+        }
       }
+      EXPECT_TRUE(all_close(out, expected, 2.0)) << rows << "x" << width;
     }
-    EXPECT_TRUE(all_close(out, expected, 2.0)) << rows << "x" << width;
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -181,7 +188,7 @@ void rotary_oracle_check(const HostTensor<T>& before, const HostTensor<T>& after
         expected[static_cast<size_t>(base + half + i)] = x2 * cos[i] + x1 * cos[half + i];
       }
       for (int64_t d = 2 * half; d < head_dim; ++d) {
-        ASSERT_EQ(as_double(after[base + d]), as_double(before[base + d])) << "dims past the rotary dim must not change";
+        ASSERT_EQ(as_double(after[base + d]), as_double(before[base + d])) << "dims past the rotary dim changed";
       }
     }
   }
@@ -190,21 +197,23 @@ void rotary_oracle_check(const HostTensor<T>& before, const HostTensor<T>& after
 
 TYPED_TEST(ElementwiseTest, RotaryEmbedding) {
   using T = TypeParam;
-  for (auto [head_dim, rotary_dim] : {std::pair<int64_t, int64_t>{64, 64}, {128, 128}, {64, 32}, {80, 40}}) {
-    const int64_t tokens = 11, q_heads = 9, kv_heads = 3, max_position = 600;
-    HostTensor<float> table({max_position, rotary_dim});
-    rope_cos_sin_cache(table.view(), 10000.0, RopeScaling{});
-    HostTensor<int32_t> positions({tokens});
-    std::uniform_int_distribution<int32_t> any_position(0, max_position - 1);
-    for (auto& p : positions.data) p = any_position(this->rng_);
-    positions[0] = max_position - 1;
-    auto query = random_tensor<T>({tokens, q_heads, head_dim}, this->rng_);
-    auto key = random_tensor<T>({tokens, kv_heads, head_dim}, this->rng_);
-    const auto query_before = query, key_before = key;
-    rotary_embedding(positions.view(), query.view(), key.view(), table.view());
-    rotary_oracle_check(query_before, query, positions, table);
-    rotary_oracle_check(key_before, key, positions, table);
-  }
+  testing::for_each_cpu_isa([&] {
+    for (auto [head_dim, rotary_dim] : {std::pair<int64_t, int64_t>{64, 64}, {128, 128}, {64, 32}, {80, 40}}) {
+      const int64_t tokens = 11, q_heads = 9, kv_heads = 3, max_position = 600;
+      HostTensor<float> table({max_position, rotary_dim});
+      rope_cos_sin_cache(table.view(), 10000.0, RopeScaling{});
+      HostTensor<int32_t> positions({tokens});
+      std::uniform_int_distribution<int32_t> any_position(0, max_position - 1);
+      for (auto& p : positions.data) p = any_position(this->rng_);
+      positions[0] = max_position - 1;
+      auto query = random_tensor<T>({tokens, q_heads, head_dim}, this->rng_);
+      auto key = random_tensor<T>({tokens, kv_heads, head_dim}, this->rng_);
+      const auto query_before = query, key_before = key;
+      rotary_embedding(positions.view(), query.view(), key.view(), table.view());
+      rotary_oracle_check(query_before, query, positions, table);
+      rotary_oracle_check(key_before, key, positions, table);
+    }
+  });
 }
 
 TEST(RotaryEmbedding, RejectsBadArguments) {
@@ -248,7 +257,8 @@ TEST(NormAndActivation, RejectBadArguments) {
   EXPECT_TRUE(throws_invalid([&] { silu_and_mul(out.view(), on_gpu); }, "silu_and_mul: x must be on the cpu"));
   HostTensor<float> odd({4, 7});
   EXPECT_TRUE(throws_invalid([&] { silu_and_mul(out.view(), odd.view()); }, "x's last dim must be even"));
-  EXPECT_TRUE(throws_invalid([&] { silu_and_mul(out.view(), x.view()); }, "silu_and_mul: out must have size 4 in dim 1"));
+  EXPECT_TRUE(
+      throws_invalid([&] { silu_and_mul(out.view(), x.view()); }, "silu_and_mul: out must have size 4 in dim 1"));
 }
 
 }  // namespace

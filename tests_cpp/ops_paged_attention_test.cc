@@ -99,7 +99,8 @@ struct PagedBatch {
   // The expected output of the real tokens, [tokens, Hq, D] flattened.
   std::vector<double> oracle(double scale) const {
     const int64_t group = shape.q_heads / shape.kv_heads, dims = shape.head_dim;
-    std::vector<double> expected(static_cast<size_t>(query_start_loc[static_cast<int64_t>(seqs.size())] * shape.q_heads * dims));
+    const int64_t tokens = query_start_loc[static_cast<int64_t>(seqs.size())];
+    std::vector<double> expected(static_cast<size_t>(tokens * shape.q_heads * dims));
     for (int64_t q = 0; q < static_cast<int64_t>(seqs.size()); ++q) {
       const SeqSpec& spec = seqs[static_cast<size_t>(q)];
       for (int64_t i = 0; i < spec.q_len; ++i) {
@@ -169,29 +170,34 @@ TYPED_TEST_SUITE(PagedAttentionTest, testing::FloatTypes);
 
 TYPED_TEST(PagedAttentionTest, MatchesOracleOnRandomRaggedBatches) {
   using T = TypeParam;
-  const Shape shapes[] = {
-      {4, 4, 64, 16},  // MHA
-      {9, 3, 64, 16},  // SmolLM2: GQA 3
-      {8, 2, 128, 16}, // GQA 4, head dim 128
-      {6, 2, 64, 7},   // odd block size: chunks straddle blocks everywhere
-      {4, 1, 128, 32}, // MQA-like, blocks wider than the key tile
-  };
-  for (const Shape& shape : shapes) {
-    PagedBatch<T> batch(shape, random_mixed_batch(this->rng_), this->rng_, /*pad_tokens=*/3);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
-    batch.run(scale);
-    EXPECT_TRUE(testing::all_close(batch.real_outputs(), batch.oracle(scale)))
-        << "Hq " << shape.q_heads << " Hkv " << shape.kv_heads << " D " << shape.head_dim << " B " << shape.block_size;
-    EXPECT_TRUE(batch.padding_untouched()) << "tokens past query_start_loc[S] must not be written";
-  }
+  testing::for_each_cpu_isa([&] {
+    const Shape shapes[] = {
+        {4, 4, 64, 16},  // MHA
+        {9, 3, 64, 16},  // SmolLM2: GQA 3
+        {8, 2, 128, 16}, // GQA 4, head dim 128
+        {6, 2, 64, 7},   // odd block size: chunks straddle blocks everywhere
+        {4, 1, 128, 32}, // MQA-like, blocks wider than the key tile
+    };
+    for (const Shape& shape : shapes) {
+      PagedBatch<T> batch(shape, random_mixed_batch(this->rng_), this->rng_, /*pad_tokens=*/3);
+      const float scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+      batch.run(scale);
+      EXPECT_TRUE(testing::all_close(batch.real_outputs(), batch.oracle(scale)))
+          << "Hq " << shape.q_heads << " Hkv " << shape.kv_heads << " D " << shape.head_dim << " B "
+          << shape.block_size;
+      EXPECT_TRUE(batch.padding_untouched()) << "tokens past query_start_loc[S] must not be written";
+    }
+  });
 }
 
 TYPED_TEST(PagedAttentionTest, LongPrefillChunkAndLongDecodes) {
   using T = TypeParam;
-  // Large enough to run on the thread pool; the query tiles split the prefill.
-  PagedBatch<T> batch({9, 3, 64, 16}, {{300, 1}, {257, 1}, {290, 130}}, this->rng_);
-  batch.run(0.125f);
-  EXPECT_TRUE(testing::all_close(batch.real_outputs(), batch.oracle(0.125)));
+  testing::for_each_cpu_isa([&] {
+    // Large enough to run on the thread pool; the query tiles split the prefill.
+    PagedBatch<T> batch({9, 3, 64, 16}, {{300, 1}, {257, 1}, {290, 130}}, this->rng_);
+    batch.run(0.125f);
+    EXPECT_TRUE(testing::all_close(batch.real_outputs(), batch.oracle(0.125)));
+  });
 }
 
 TEST(PagedAttention, ThreadCountDoesNotChangeResults) {
@@ -274,7 +280,8 @@ TEST(PagedAttention, RejectsMismatchedTensors) {
   strided.strides = {64, 192, 1};
   EXPECT_TRUE(throws_invalid([&] { paged_attention(out.view(), strided, gqa_cache.view(), gqa_cache.view(),
                                                    tables.view(), starts.view(), lens.view(), 1.0f); },
-                             "paged_attention: query must be contiguous, got float32[3, 6, 64] strides [64, 192, 1] cpu"));
+                             "paged_attention: query must be contiguous, got float32[3, 6, 64] strides "
+                             "[64, 192, 1] cpu"));
   EXPECT_NO_THROW(paged_attention(out.view(), query.view(), gqa_cache.view(), gqa_cache.view(), tables.view(),
                                   starts.view(), lens.view(), 1.0f));
 }

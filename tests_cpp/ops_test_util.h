@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops/cpu_isa.h"
 #include "ops/float_types.h"
 #include "ops/tensor_view.h"
 
@@ -143,5 +144,18 @@ template <typename Fn>
 }
 
 using FloatTypes = ::testing::Types<float, Half, BFloat16>;
+
+// Runs body once per instruction set this CPU supports (cpu_isa.h), so the
+// baseline and AVX2 kernels are tested on an AVX-512 machine too.
+template <typename Body>
+void for_each_cpu_isa(Body&& body) {
+  const ops::CpuIsa before = ops::cpu_isa();
+  for (ops::CpuIsa isa : ops::supported_cpu_isas()) {
+    SCOPED_TRACE("cpu isa " + std::string(ops::cpu_isa_name(isa)));
+    ops::set_cpu_isa(isa);
+    body();
+  }
+  ops::set_cpu_isa(before);
+}
 
 }  // namespace pagedserve::testing

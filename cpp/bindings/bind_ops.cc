@@ -7,8 +7,12 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "ops/cpu_isa.h"
 #include "ops/dlpack.h"
 #include "ops/ops.h"
 #include "ops/tensor_view.h"
@@ -133,7 +137,8 @@ void bind_ops(py::module_& m) {
   m.def(
       "paged_attention",
       [](const py::capsule& out, const py::capsule& query, const py::capsule& key_cache, const py::capsule& value_cache,
-         const py::capsule& block_tables, const py::capsule& query_start_loc, const py::capsule& seq_lens, float scale) {
+         const py::capsule& block_tables, const py::capsule& query_start_loc, const py::capsule& seq_lens,
+         float scale) {
         const OpArgs arg{"paged_attention"};
         const TensorView o = arg(out, "out"), q = arg(query, "query"),
                          kc = arg(key_cache, "key_cache"), vc = arg(value_cache, "value_cache"),
@@ -149,6 +154,27 @@ void bind_ops(py::module_& m) {
   m.def("set_num_threads", &ops::set_num_threads, py::arg("num_threads"),
         "Threads the CPU ops may use (the caller's thread included).");
   m.def("num_threads", &ops::num_threads);
+
+  m.def(
+      "cpu_isa", [] { return std::string(ops::cpu_isa_name(ops::cpu_isa())); },
+      "The instruction set the kernels run with: 'baseline' (SSE2), 'avx2' or 'avx512'.");
+  m.def(
+      "supported_cpu_isas",
+      [] {
+        std::vector<std::string> names;
+        for (ops::CpuIsa isa : ops::supported_cpu_isas()) names.emplace_back(ops::cpu_isa_name(isa));
+        return names;
+      },
+      "The instruction sets this CPU can run, lowest first.");
+  m.def(
+      "set_cpu_isa",
+      [](const std::string& name) {
+        for (ops::CpuIsa isa : {ops::CpuIsa::kBaseline, ops::CpuIsa::kAvx2, ops::CpuIsa::kAvx512}) {
+          if (ops::cpu_isa_name(isa) == name) return ops::set_cpu_isa(isa);
+        }
+        throw py::value_error("set_cpu_isa: unknown instruction set '" + name + "'; expected baseline, avx2 or avx512");
+      },
+      py::arg("name"), "For tests and benchmarks: run the kernels with a lower instruction set.");
 }
 
 }  // namespace pagedserve::bindings

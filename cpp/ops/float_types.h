@@ -2,14 +2,16 @@
 //
 // BFloat16 and Half are plain 16-bit containers: kernels load them into
 // float32, compute in float32 and round once on the way back. Every
-// conversion here is written with integer bit operations and selects rather
-// than branches where it matters (loads), so the loops that call them
-// vectorize with baseline x86-64 SSE2.
+// conversion is written with integer bit operations and masked selects, no
+// branches, so the loops that call them vectorize at every ISA level
+// (cpu_isa.h), baseline SSE2 included.
 #pragma once
 
 #include <bit>
 #include <cstdint>
 #include <type_traits>
+
+#include "ops/cpu_isa.h"
 
 namespace pagedserve::ops {
 
@@ -23,19 +25,28 @@ struct Half {
 
 static_assert(sizeof(BFloat16) == 2 && sizeof(Half) == 2);
 
+// All ones when cond holds, else zero: selects as bit operations. (A ternary
+// here lets the compiler turn the select back into a branch and sink the
+// float math of one side into it, which keeps the loop scalar.)
+PS_ALWAYS_INLINE uint32_t mask_if(bool cond) { return 0u - static_cast<uint32_t>(cond); }
+
+PS_ALWAYS_INLINE uint32_t select_bits(uint32_t mask, uint32_t if_set, uint32_t if_clear) {
+  return (if_set & mask) | (if_clear & ~mask);
+}
+
 // ---------------------------------------------------------------------------
 // bfloat16: the upper half of a float32.
 
-inline float bf16_to_float(BFloat16 value) { return std::bit_cast<float>(uint32_t{value.bits} << 16); }
+PS_ALWAYS_INLINE float bf16_to_float(BFloat16 value) { return std::bit_cast<float>(uint32_t{value.bits} << 16); }
 
 // Round to nearest, ties to even; NaNs stay NaN (quieted) instead of rounding into infinity.
-inline BFloat16 float_to_bf16(float value) {
+PS_ALWAYS_INLINE BFloat16 float_to_bf16(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
-  const bool is_nan = (bits & 0x7fffffffu) > 0x7f800000u;
   const uint32_t lsb = (bits >> 16) & 1u;
   const uint32_t rounded = (bits + 0x7fffu + lsb) >> 16;
   const uint32_t quiet_nan = (bits >> 16) | 0x0040u;
-  return BFloat16{static_cast<uint16_t>(is_nan ? quiet_nan : rounded)};
+  const auto magnitude = static_cast<int32_t>(bits & 0x7fffffffu);
+  return BFloat16{static_cast<uint16_t>(select_bits(mask_if(magnitude > 0x7f800000), quiet_nan, rounded))};
 }
 
 // ---------------------------------------------------------------------------
@@ -43,54 +54,50 @@ inline BFloat16 float_to_bf16(float value) {
 
 inline constexpr uint32_t kFloatHalfBiasDelta = (127 - 15) << 23;
 
-inline float half_to_float(Half value) {
+// Both paths are computed and blended with a mask (no branch), so loops over
+// halves vectorize.
+PS_ALWAYS_INLINE float half_to_float(Half value) {
   const uint32_t h = value.bits;
   const uint32_t exponent = h & 0x7c00u;
   // Normal numbers: move exponent and mantissa into float position and rebias.
   // Inf/NaN (exponent all ones) need the float exponent all ones too: rebias twice.
   const uint32_t shifted = (h & 0x7fffu) << 13;
-  const uint32_t normal = shifted + kFloatHalfBiasDelta + (exponent == 0x7c00u ? kFloatHalfBiasDelta : 0u);
+  const uint32_t normal = shifted + kFloatHalfBiasDelta + (kFloatHalfBiasDelta & mask_if(exponent == 0x7c00u));
   // Zero and subnormals: mantissa * 2^-24, exact in float.
-  const float subnormal = static_cast<float>(h & 0x03ffu) * 0x1p-24f;
-  const uint32_t magnitude = exponent == 0 ? std::bit_cast<uint32_t>(subnormal) : normal;
+  const uint32_t subnormal = std::bit_cast<uint32_t>(static_cast<float>(static_cast<int32_t>(h & 0x03ffu)) * 0x1p-24f);
+  const uint32_t magnitude = select_bits(mask_if(exponent == 0), subnormal, normal);
   return std::bit_cast<float>(magnitude | ((h & 0x8000u) << 16));
 }
 
 // Round to nearest, ties to even; overflow goes to infinity, NaNs stay NaN.
-inline Half float_to_half(float value) {
+// Branch-free like half_to_float: every case is computed, then selected.
+PS_ALWAYS_INLINE Half float_to_half(float value) {
   const uint32_t bits = std::bit_cast<uint32_t>(value);
   const uint32_t sign = (bits >> 16) & 0x8000u;
-  const uint32_t magnitude = bits & 0x7fffffffu;
-  if (magnitude > 0x7f800000u) return Half{static_cast<uint16_t>(sign | 0x7e00u)};
+  const auto magnitude = static_cast<int32_t>(bits & 0x7fffffffu);  // signed: SSE2 compares are signed
+  // Normal halves (>= 2^-14): rebias the exponent, round the mantissa from 23 to 10 bits.
+  const uint32_t rebiased = static_cast<uint32_t>(magnitude) - kFloatHalfBiasDelta;
+  const uint32_t normal = (rebiased + 0x0fffu + ((rebiased >> 13) & 1u)) >> 13;
+  // Subnormal halves count units of 2^-24, which is the ulp of floats in [0.5, 1):
+  // adding 0.5 makes the FPU round |value| to whole units, left in the low bits.
+  const float aligned = std::bit_cast<float>(magnitude) + 0.5f;
+  const uint32_t subnormal = std::bit_cast<uint32_t>(aligned) - std::bit_cast<uint32_t>(0.5f);
+  uint32_t result = select_bits(mask_if(magnitude < 0x38800000), subnormal, normal);
   // 65520 = 65504 + half an ulp is the first value that rounds (to even) up to infinity.
-  if (magnitude >= 0x477ff000u) return Half{static_cast<uint16_t>(sign | 0x7c00u)};
-  if (magnitude >= 0x38800000u) {  // >= 2^-14: a normal half
-    const uint32_t rebiased = magnitude - kFloatHalfBiasDelta;
-    const uint32_t rounded = rebiased + 0x0fffu + ((rebiased >> 13) & 1u);
-    return Half{static_cast<uint16_t>(sign | (rounded >> 13))};
-  }
-  // A half subnormal counts units of 2^-24. With the implicit bit, the float is
-  // mantissa * 2^(exponent - 150), i.e. mantissa >> (126 - exponent) units.
-  const uint32_t exponent = magnitude >> 23;
-  const uint32_t shift = 126u - exponent;
-  if (shift > 24u) return Half{static_cast<uint16_t>(sign)};
-  const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
-  uint32_t units = mantissa >> shift;
-  const uint32_t remainder = mantissa & ((1u << shift) - 1u);
-  const uint32_t halfway = 1u << (shift - 1u);
-  if (remainder > halfway || (remainder == halfway && (units & 1u))) ++units;
-  return Half{static_cast<uint16_t>(sign | units)};
+  result = select_bits(mask_if(magnitude >= 0x477ff000), 0x7c00u, result);
+  result = select_bits(mask_if(magnitude > 0x7f800000), 0x7e00u, result);
+  return Half{static_cast<uint16_t>(sign | result)};
 }
 
 // ---------------------------------------------------------------------------
 // Uniform access for templated kernels: to_float(x) and from_float<T>(f).
 
-inline float to_float(float value) { return value; }
-inline float to_float(BFloat16 value) { return bf16_to_float(value); }
-inline float to_float(Half value) { return half_to_float(value); }
+PS_ALWAYS_INLINE float to_float(float value) { return value; }
+PS_ALWAYS_INLINE float to_float(BFloat16 value) { return bf16_to_float(value); }
+PS_ALWAYS_INLINE float to_float(Half value) { return half_to_float(value); }
 
 template <typename T>
-T from_float(float value) {
+PS_ALWAYS_INLINE T from_float(float value) {
   if constexpr (std::is_same_v<T, float>) {
     return value;
   } else if constexpr (std::is_same_v<T, BFloat16>) {
@@ -103,7 +110,7 @@ T from_float(float value) {
 
 // Rounds a float to T's precision and back: what storing and reloading it would give.
 template <typename T>
-float round_to(float value) {
+PS_ALWAYS_INLINE float round_to(float value) {
   return to_float(from_float<T>(value));
 }
 

@@ -6,6 +6,7 @@
 // as stored (rounded), not the float sum.
 #include <cmath>
 
+#include "ops/cpu_isa.h"
 #include "ops/dispatch.h"
 #include "ops/float_types.h"
 #include "ops/op_checks.h"
@@ -17,7 +18,7 @@ namespace pagedserve::ops {
 namespace {
 
 template <typename T>
-float sum_of_squares(const T* x, int64_t n) {
+PS_ALWAYS_INLINE float sum_of_squares(const T* x, int64_t n) {
   float lanes[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -33,34 +34,25 @@ float sum_of_squares(const T* x, int64_t n) {
   return sum_lanes(lanes);
 }
 
-float inverse_rms(float sum_of_squares, int64_t n, float eps) {
+PS_ALWAYS_INLINE float inverse_rms(float sum_of_squares, int64_t n, float eps) {
   return 1.0f / std::sqrt(sum_of_squares / static_cast<float>(n) + eps);
 }
 
 // out may alias x: each element is read before it is written.
 template <typename T>
-void normalize_row(T* out, const T* x, const T* weight, int64_t n, float inv_rms) {
+PS_ALWAYS_INLINE void normalize_row(T* out, const T* x, const T* weight, int64_t n, float inv_rms) {
   for (int64_t i = 0; i < n; ++i) {
     out[i] = from_float<T>(round_to<T>(to_float(x[i]) * inv_rms) * to_float(weight[i]));
   }
 }
 
 // residual += x, stored in T; returns the sum of squares of the stored values.
+// Two passes over one row (it stays in L1): a store and a reduction in one
+// loop would not vectorize.
 template <typename T>
-float add_residual_row(T* residual, const T* x, int64_t n) {
-  float lanes[kLanes] = {};
-  const auto add_one = [&](int64_t i, int lane) {
-    const T sum = from_float<T>(to_float(residual[i]) + to_float(x[i]));
-    residual[i] = sum;
-    const float stored = to_float(sum);
-    lanes[lane] += stored * stored;
-  };
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) add_one(i + k, k);
-  }
-  for (; i < n; ++i) add_one(i, 0);
-  return sum_lanes(lanes);
+PS_ALWAYS_INLINE float add_residual_row(T* residual, const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) residual[i] = from_float<T>(to_float(residual[i]) + to_float(x[i]));
+  return sum_of_squares(residual, n);
 }
 
 void check_norm_args(std::string_view op, std::string_view out_name, const TensorView& out, const TensorView& x,
@@ -76,6 +68,27 @@ void check_norm_args(std::string_view op, std::string_view out_name, const Tenso
   require(x.size(1) > 0, op, "x must have a non-empty last dim, got " + x.describe());
 }
 
+template <typename T>
+PS_ALWAYS_INLINE void rms_norm_rows(T* out, const T* x, const T* weight, int64_t begin, int64_t end, int64_t hidden,
+                                    float eps) {
+  for (int64_t row = begin; row < end; ++row) {
+    const T* x_row = x + row * hidden;
+    const float inv_rms = inverse_rms(sum_of_squares(x_row, hidden), hidden, eps);
+    normalize_row(out + row * hidden, x_row, weight, hidden, inv_rms);
+  }
+}
+
+template <typename T>
+PS_ALWAYS_INLINE void fused_add_rms_norm_rows(T* x, T* residual, const T* weight, int64_t begin, int64_t end,
+                                              int64_t hidden, float eps) {
+  for (int64_t row = begin; row < end; ++row) {
+    T* x_row = x + row * hidden;
+    T* residual_row = residual + row * hidden;
+    const float inv_rms = inverse_rms(add_residual_row(residual_row, x_row, hidden), hidden, eps);
+    normalize_row(x_row, residual_row, weight, hidden, inv_rms);
+  }
+}
+
 }  // namespace
 
 void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps) {
@@ -83,13 +96,10 @@ void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weig
   const int64_t rows = x.size(0);
   const int64_t hidden = x.size(1);
   dispatch_float(x.dtype, "rms_norm", [&]<typename T>() {
-    const T* w = weight.ptr<T>();
     parallel_for_range(rows, hidden, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) {
-        const T* x_row = x.ptr<T>() + row * hidden;
-        const float inv_rms = inverse_rms(sum_of_squares(x_row, hidden), hidden, eps);
-        normalize_row(out.ptr<T>() + row * hidden, x_row, w, hidden, inv_rms);
-      }
+      with_cpu_isa([&]() PS_INLINE_BODY {
+        rms_norm_rows(out.ptr<T>(), x.ptr<T>(), weight.ptr<T>(), begin, end, hidden, eps);
+      });
     });
   });
 }
@@ -99,14 +109,10 @@ void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const T
   const int64_t rows = x.size(0);
   const int64_t hidden = x.size(1);
   dispatch_float(x.dtype, "fused_add_rms_norm", [&]<typename T>() {
-    const T* w = weight.ptr<T>();
     parallel_for_range(rows, 2 * hidden, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) {
-        T* x_row = x.ptr<T>() + row * hidden;
-        T* residual_row = residual.ptr<T>() + row * hidden;
-        const float inv_rms = inverse_rms(add_residual_row(residual_row, x_row, hidden), hidden, eps);
-        normalize_row(x_row, residual_row, w, hidden, inv_rms);
-      }
+      with_cpu_isa([&]() PS_INLINE_BODY {
+        fused_add_rms_norm_rows(x.ptr<T>(), residual.ptr<T>(), weight.ptr<T>(), begin, end, hidden, eps);
+      });
     });
   });
 }

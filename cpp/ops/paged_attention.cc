@@ -6,9 +6,11 @@
 // first, so the kernel itself cannot read out of bounds or throw.
 #include <algorithm>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ops/attention_tile.h"
+#include "ops/cpu_isa.h"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
 #include "ops/ops.h"
@@ -68,7 +70,8 @@ void check_batch(const TensorView& query, const TensorView& key_cache, const Ten
     require(q_len >= 0, kOp, row + "query_start_loc must be non-decreasing");
     if (q_len == 0) continue;
     require(lens[s] >= q_len, kOp,
-            row + "seq_lens = " + std::to_string(lens[s]) + " is shorter than its " + std::to_string(q_len) + " queries");
+            row + "seq_lens = " + std::to_string(lens[s]) + " is shorter than its " + std::to_string(q_len) +
+                " queries");
     const int64_t blocks_needed = (int64_t{lens[s]} + block_size - 1) / block_size;
     require(blocks_needed <= max_blocks, kOp,
             row + "seq_lens = " + std::to_string(lens[s]) + " needs " + std::to_string(blocks_needed) +
@@ -83,9 +86,9 @@ void check_batch(const TensorView& query, const TensorView& key_cache, const Ten
 }
 
 struct WorkPlan {
-  std::vector<AttentionWorkItem> items;  // most expensive first, so the pool balances well
+  std::vector<AttentionWorkItem> items;  // most expensive first, so the pool's dynamic scheduling balances well
   int64_t max_rows = 0;
-  int64_t total_work = 0;  // multiply-adds, roughly
+  int64_t total_work = 0;  // in parallel.h's work units
 };
 
 WorkPlan plan_work(const TensorView& query_start_loc, const TensorView& seq_lens, int64_t kv_heads, int64_t group,
@@ -93,29 +96,26 @@ WorkPlan plan_work(const TensorView& query_start_loc, const TensorView& seq_lens
   const int32_t* starts = query_start_loc.ptr<int32_t>();
   const int32_t* lens = seq_lens.ptr<int32_t>();
   const int64_t queries_per_item = std::max<int64_t>(1, kRowsPerItem / group);
+  std::vector<std::pair<int64_t, AttentionWorkItem>> costed;
   WorkPlan plan;
-  std::vector<int64_t> costs;
   for (int32_t s = 0; s < static_cast<int32_t>(seq_lens.size(0)); ++s) {
     const int64_t q_len = int64_t{starts[s + 1]} - starts[s];
     const int64_t first_position = lens[s] - q_len;
     for (int64_t q_begin = 0; q_begin < q_len; q_begin += queries_per_item) {
       const int64_t q_end = std::min(q_len, q_begin + queries_per_item);
-      const int64_t cost = (q_end - q_begin) * group * (first_position + q_end) * head_dim * 2;
-      plan.max_rows = std::max(plan.max_rows, (q_end - q_begin) * group);
+      const int64_t rows = (q_end - q_begin) * group;
+      // Two multiply-adds (score, value) per row, position and dim make one work unit.
+      const int64_t cost = rows * (first_position + q_end) * head_dim;
+      plan.max_rows = std::max(plan.max_rows, rows);
+      plan.total_work += cost * kv_heads;
       for (int32_t h = 0; h < static_cast<int32_t>(kv_heads); ++h) {
-        plan.items.push_back({s, h, static_cast<int32_t>(q_begin), static_cast<int32_t>(q_end)});
-        costs.push_back(cost);
-        plan.total_work += cost;
+        costed.push_back({cost, {s, h, static_cast<int32_t>(q_begin), static_cast<int32_t>(q_end)}});
       }
     }
   }
-  std::vector<size_t> order(plan.items.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return costs[a] > costs[b]; });
-  std::vector<AttentionWorkItem> sorted;
-  sorted.reserve(order.size());
-  for (size_t i : order) sorted.push_back(plan.items[i]);
-  plan.items = std::move(sorted);
+  std::stable_sort(costed.begin(), costed.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  plan.items.reserve(costed.size());
+  for (const auto& entry : costed) plan.items.push_back(entry.second);
   return plan;
 }
 
@@ -151,7 +151,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     scratch.reserve(static_cast<size_t>(run.num_workers()));
     for (int w = 0; w < run.num_workers(); ++w) scratch.emplace_back(plan.max_rows, head_dim);
     run.for_each(static_cast<int64_t>(plan.items.size()), [&](int64_t task, int worker) {
-      attend_work_item(batch, plan.items[static_cast<size_t>(task)], scratch[static_cast<size_t>(worker)]);
+      const AttentionWorkItem& item = plan.items[static_cast<size_t>(task)];
+      AttentionScratch& worker_scratch = scratch[static_cast<size_t>(worker)];
+      with_cpu_isa([&]() PS_INLINE_BODY { attend_work_item(batch, item, worker_scratch); });
     });
   });
 }

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "ops/cpu_isa.h"
 #include "ops/dispatch.h"
 #include "ops/float_types.h"
 #include "ops/op_checks.h"
@@ -49,7 +50,7 @@ void check_scaling(const RopeScaling& s) {
 // x1 = x[:half], x2 = x[half:2 half], rotated in place by the angles whose
 // cosines and sines are cos[:half], sin[:half].
 template <typename T>
-void rotate_head(T* x, const float* cos, const float* sin, int64_t half) {
+PS_ALWAYS_INLINE void rotate_head(T* x, const float* cos, const float* sin, int64_t half) {
   T* x2 = x + half;
   for (int64_t i = 0; i < half; ++i) {
     const float a = to_float(x[i]);
@@ -128,14 +129,16 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
   const int64_t half = rotary_dim / 2;
   dispatch_float(query.dtype, "rotary_embedding", [&]<typename T>() {
     parallel_for_range(tokens, (q_heads + kv_heads) * rotary_dim, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const float* cos = cos_sin.ptr<float>() + positions.ptr<int32_t>()[t] * rotary_dim;
-        const float* sin = cos + half;
-        T* q = query.ptr<T>() + t * q_heads * head_dim;
-        for (int64_t h = 0; h < q_heads; ++h) rotate_head(q + h * head_dim, cos, sin, half);
-        T* k = key.ptr<T>() + t * kv_heads * head_dim;
-        for (int64_t h = 0; h < kv_heads; ++h) rotate_head(k + h * head_dim, cos, sin, half);
-      }
+      with_cpu_isa([&]() PS_INLINE_BODY {
+        for (int64_t t = begin; t < end; ++t) {
+          const float* cos = cos_sin.ptr<float>() + positions.ptr<int32_t>()[t] * rotary_dim;
+          const float* sin = cos + half;
+          T* q = query.ptr<T>() + t * q_heads * head_dim;
+          for (int64_t h = 0; h < q_heads; ++h) rotate_head(q + h * head_dim, cos, sin, half);
+          T* k = key.ptr<T>() + t * kv_heads * head_dim;
+          for (int64_t h = 0; h < kv_heads; ++h) rotate_head(k + h * head_dim, cos, sin, half);
+        }
+      });
     });
   });
 }

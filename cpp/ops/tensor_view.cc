@@ -40,7 +40,9 @@ std::string dlpack_dtype_name(const DLDataType& type) {
 }
 
 DType dtype_from_dlpack(const DLDataType& type) {
-  if (type.lanes != 1) fail("view_from_dlpack", "vector dtypes (lanes = " + std::to_string(type.lanes) + ") are not supported");
+  if (type.lanes != 1) {
+    fail("view_from_dlpack", "vector dtypes (lanes = " + std::to_string(type.lanes) + ") are not supported");
+  }
   if (type.code == kDLFloat && type.bits == 32) return DType::kFloat32;
   if (type.code == kDLFloat && type.bits == 16) return DType::kFloat16;
   if (type.code == kDLBfloat && type.bits == 16) return DType::kBFloat16;
@@ -58,7 +60,8 @@ Device device_from_dlpack(const DLDevice& device) {
     case kDLCUDA:
       return Device::kCUDA;
     default:
-      fail("view_from_dlpack", "unsupported device type " + std::to_string(device.device_type) + "; expected cpu or cuda");
+      fail("view_from_dlpack",
+           "unsupported device type " + std::to_string(device.device_type) + "; expected cpu or cuda");
   }
 }
 
@@ -125,7 +128,9 @@ TensorView view_from_dlpack(const void* managed_tensor) {
   int64_t compact_stride = 1;
   for (int d = view.ndim - 1; d >= 0; --d) {
     const auto i = static_cast<size_t>(d);
-    if (dl.shape[d] < 0) fail("view_from_dlpack", "negative size " + std::to_string(dl.shape[d]) + " in dim " + std::to_string(d));
+    if (dl.shape[d] < 0) {
+      fail("view_from_dlpack", "negative size " + std::to_string(dl.shape[d]) + " in dim " + std::to_string(d));
+    }
     view.shape[i] = dl.shape[d];
     view.strides[i] = dl.strides != nullptr ? dl.strides[d] : compact_stride;
     compact_stride *= dl.shape[d];
@@ -139,12 +144,15 @@ void require(bool ok, std::string_view op, const std::string& message) {
 
 void require_device(std::string_view op, std::string_view arg, const TensorView& t, Device device) {
   if (t.device != device) {
-    fail(op, std::string(arg) + " must be on the " + (device == Device::kCPU ? "cpu" : "cuda") + ", got " + t.describe());
+    const std::string wanted = device == Device::kCPU ? "cpu" : "cuda";
+    fail(op, std::string(arg) + " must be on the " + wanted + ", got " + t.describe());
   }
 }
 
 void require_dtype(std::string_view op, std::string_view arg, const TensorView& t, DType dtype) {
-  if (t.dtype != dtype) fail(op, std::string(arg) + " must be " + std::string(dtype_name(dtype)) + ", got " + t.describe());
+  if (t.dtype != dtype) {
+    fail(op, std::string(arg) + " must be " + std::string(dtype_name(dtype)) + ", got " + t.describe());
+  }
 }
 
 void require_float(std::string_view op, std::string_view arg, const TensorView& t) {
@@ -163,8 +171,8 @@ void require_contiguous(std::string_view op, std::string_view arg, const TensorV
 
 void require_same_dtype(std::string_view op, std::string_view arg, const TensorView& t, const TensorView& like) {
   if (t.dtype != like.dtype) {
-    fail(op, std::string(arg) + " must have the same dtype as the other inputs (" + std::string(dtype_name(like.dtype)) +
-                 "), got " + t.describe());
+    fail(op, std::string(arg) + " must have the same dtype as the other inputs (" +
+                 std::string(dtype_name(like.dtype)) + "), got " + t.describe());
   }
 }
 
@@ -173,8 +181,8 @@ void require_size(std::string_view op, std::string_view arg, const TensorView& t
     fail(op, std::string(arg) + " has no dim " + std::to_string(dim) + ", got " + t.describe());
   }
   if (t.size(dim) != size) {
-    fail(op, std::string(arg) + " must have size " + std::to_string(size) + " in dim " + std::to_string(dim) + ", got " +
-                 t.describe());
+    fail(op, std::string(arg) + " must have size " + std::to_string(size) + " in dim " + std::to_string(dim) +
+                 ", got " + t.describe());
   }
 }
 

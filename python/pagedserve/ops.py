@@ -28,6 +28,7 @@ __all__ = [
     "paged_attention",
     "set_num_threads",
     "num_threads",
+    "cpu_isa",
 ]
 
 
@@ -177,3 +178,8 @@ def set_num_threads(num_threads: int) -> None:
 
 def num_threads() -> int:
     return _cpu_ops.num_threads()
+
+
+def cpu_isa() -> str:
+    """The instruction set the CPU kernels run with: 'baseline' (SSE2), 'avx2' or 'avx512'."""
+    return _cpu_ops.cpu_isa()
