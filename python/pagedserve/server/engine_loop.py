@@ -1,0 +1,285 @@
+"""EngineLoop: the one thread that owns the LLMEngine.
+
+It loops: apply the commands that arrived (add, abort, snapshot, stop), run
+one engine.step() while anything is unfinished, and hand the step's outputs
+to the event loop in a single call_soon_threadsafe. When nothing is
+unfinished it sleeps on the command queue. No other thread touches the
+engine, so the engine needs no locks, and a request that arrives mid-step
+joins the running batch at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+logger = logging.getLogger("pagedserve.server")
+
+# Steps remembered for the engine view's batch-composition chart.
+STEP_HISTORY_LENGTH = 240
+
+
+class EngineUnavailable(Exception):
+    """The engine is not serving (still loading, or shutting down)."""
+
+
+class EngineStepError(RuntimeError):
+    """engine.step() raised: the requests in flight were aborted."""
+
+
+@dataclass
+class AddCommand:
+    request_id: str
+    prompt: dict
+    params: Any  # SamplingParams
+    arrival_time: float
+    accepted: asyncio.Future  # resolves to None, or fails with the engine's ValueError
+
+
+@dataclass
+class AbortCommand:
+    request_ids: list[str]
+
+
+@dataclass
+class SnapshotCommand:
+    read: Callable[[Any, "EngineLoop"], Any]  # (engine, loop) -> value, run on the loop thread
+    done: asyncio.Future
+
+
+class StopCommand:
+    pass
+
+
+class StepObserver(Protocol):
+    """Metrics hooks, called on the loop thread."""
+
+    def on_request_added(self, request_id: str, num_prompt_tokens: int) -> None: ...
+
+    def on_outputs(self, outputs: list) -> None: ...  # deltas of a step, or the finals of aborts
+
+    def on_step(self, step_seconds: float) -> None: ...
+
+    def on_requests_dropped(self, request_ids: list[str]) -> None: ...  # failed without a final output
+
+
+class OutputRouter(Protocol):
+    """Where outputs go, called on the event loop thread."""
+
+    def deliver(self, outputs: list) -> None: ...
+
+    def fail(self, request_ids: list[str], error: BaseException) -> None: ...
+
+
+@dataclass
+class StepRecord:
+    time: float
+    prefill_tokens: int
+    decode_tokens: int
+    num_seqs: int
+
+
+class WaitingCount:
+    """Requests not yet running: submitted but not yet applied by the loop, plus
+    the scheduler's waiting queue. Both change under one lock so the sum never
+    counts a request twice or misses one in between."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._submitted = 0
+        self._engine_waiting = 0
+
+    def add_submitted(self, n: int) -> None:
+        with self._lock:
+            self._submitted += n
+
+    def publish(self, applied: int, engine_waiting: int) -> None:
+        with self._lock:
+            self._submitted -= applied
+            self._engine_waiting = engine_waiting
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return self._submitted + self._engine_waiting
+
+
+@dataclass
+class LoopState:
+    """What the loop publishes after each iteration, read by other threads."""
+
+    stats: dict = field(default_factory=dict)
+    steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STEP_HISTORY_LENGTH))
+    num_steps: int = 0
+    num_step_failures: int = 0
+
+
+class EngineLoop(threading.Thread):
+    def __init__(self, engine, event_loop: asyncio.AbstractEventLoop, router: OutputRouter,
+                 waiting: WaitingCount, observer: Optional[StepObserver] = None):
+        super().__init__(name="pagedserve-engine-loop", daemon=True)
+        self.engine = engine
+        self.state = LoopState(stats=engine.stats())
+        self._event_loop = event_loop
+        self._router = router
+        self._waiting = waiting
+        self._observer = observer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._applied_adds = 0
+
+    def submit(self, command) -> None:
+        """Thread-safe and reentrant (SimpleQueue.put), so a signal handler may call it."""
+        self._commands.put(command)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        try:
+            while self._serve_once():
+                pass
+        except BaseException:  # a bug in the loop itself: fail everything rather than hang clients
+            logger.exception("the engine loop died")
+            self._fail_everything(EngineStepError("the engine loop died"))
+            raise
+        finally:
+            self._refuse_remaining_commands()
+
+    def _serve_once(self) -> bool:
+        idle = not self.engine.has_unfinished_requests()
+        for command in self._take_commands(block=idle):
+            if isinstance(command, StopCommand):
+                self._abort(list(self.engine.requests))
+                self._publish()
+                return False
+            self._apply(command)
+        if self.engine.has_unfinished_requests():
+            self._step()
+        self._publish()
+        return True
+
+    def _take_commands(self, block: bool) -> list:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command) -> None:
+        if isinstance(command, AddCommand):
+            self._add(command)
+        elif isinstance(command, AbortCommand):
+            self._abort(command.request_ids)
+        elif isinstance(command, SnapshotCommand):
+            self._snapshot(command)
+        else:
+            raise TypeError(f"unknown engine command {command!r}")
+
+    def _add(self, command: AddCommand) -> None:
+        self._applied_adds += 1
+        if command.accepted.cancelled():  # the client left before its request got here
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    arrival_time=command.arrival_time)
+        except (ValueError, TypeError) as err:
+            self._resolve(command.accepted, err)
+            return
+        if self._observer is not None:
+            self._observer.on_request_added(command.request_id, len(command.prompt["prompt_token_ids"]))
+        self._resolve(command.accepted, None)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        finals = []
+        for rid in request_ids:
+            request = self.engine.requests.get(rid)
+            if request is None:
+                continue  # finished or never added
+            self.engine.abort_request(rid)
+            delta = request.take_delta()  # the samples' "abort" finish
+            if delta is not None:
+                finals.append(delta)
+        if finals:
+            self._to_event_loop(self._router.deliver, finals)
+            if self._observer is not None:
+                self._observer.on_outputs(finals)
+
+    def _snapshot(self, command: SnapshotCommand) -> None:
+        try:
+            value = command.read(self.engine, self)
+        except Exception as err:  # a bad reader must not take the loop down
+            self._resolve(command.done, err)
+            return
+        self._resolve(command.done, None, value)
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as err:
+            logger.exception("engine.step() failed; aborting the requests in flight")
+            self.state.num_step_failures += 1
+            self._fail_everything(EngineStepError(f"the engine failed: {type(err).__name__}: {err}"))
+            return
+        seconds = time.perf_counter() - start
+        self.state.num_steps += 1
+        if outputs:
+            self._to_event_loop(self._router.deliver, outputs)
+        if self._observer is not None:
+            self._observer.on_outputs(outputs)
+            self._observer.on_step(seconds)
+
+    def _publish(self) -> None:
+        stats = self.engine.stats()
+        if stats.get("step_num_seqs"):
+            self.state.steps.append(StepRecord(time.time(), int(stats["step_prefill_tokens"]),
+                                               int(stats["step_decode_tokens"]), int(stats["step_num_seqs"])))
+        self.state.stats = stats
+        self._waiting.publish(self._applied_adds, int(stats.get("num_waiting", 0)))
+        self._applied_adds = 0
+
+    # ------------------------------------------------------------------ failure and shutdown
+    def _fail_everything(self, error: BaseException) -> None:
+        ids = list(self.engine.requests)
+        for rid in ids:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("could not abort %s after an engine failure", rid)
+        if ids:
+            self._to_event_loop(self._router.fail, ids, error)
+            if self._observer is not None:
+                self._observer.on_requests_dropped(ids)
+
+    def _refuse_remaining_commands(self) -> None:
+        gone = EngineUnavailable("the server is shutting down")
+        for command in self._take_commands(block=False):
+            if isinstance(command, AddCommand):
+                self._applied_adds += 1
+                self._resolve(command.accepted, gone)
+            elif isinstance(command, SnapshotCommand):
+                self._resolve(command.done, gone)
+        self._waiting.publish(self._applied_adds, 0)
+        self._applied_adds = 0
+
+    # ------------------------------------------------------------------ crossing to the event loop
+    def _resolve(self, future: asyncio.Future, error: Optional[BaseException], value: Any = None) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+        self._to_event_loop(settle)
+
+    def _to_event_loop(self, fn: Callable, *args) -> None:
+        try:
+            self._event_loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop already closed: nobody is left to tell
+            pass
