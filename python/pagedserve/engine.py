@@ -11,12 +11,11 @@ import time
 from typing import Iterable, Optional, Union
 
 import numpy as np
-import torch
 
 from pagedserve import _core
 from pagedserve.engine_config import EngineConfig
 from pagedserve.outputs import Logprob, RequestOutput
-from pagedserve.request import Request, Sample
+from pagedserve.request import Request
 from pagedserve.sampler import SamplingRow
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.worker import Worker
@@ -55,10 +54,10 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
         request = Request(request_id, text, token_ids, params, self.tokenizer, arrival_time)
-        if params.seed is not None:
-            request.generator = torch.Generator(device=self.worker.device).manual_seed(params.seed)
+        request.samples[0].generator = self.worker.sampler.generator_for(params, 0)
         seq_id = self.scheduler.add_sequence(
-            np.asarray(token_ids, dtype=np.int32), max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+            np.asarray(token_ids, dtype=np.int32), max_tokens=self._max_tokens(token_ids, params),
+            min_tokens=params.min_tokens,
             ignore_eos=params.ignore_eos, stop_token_ids=list(params.stop_token_ids or []), n=params.n)
         self.requests[request_id] = request
         self._seq_owner[seq_id] = (request, 0)
@@ -108,6 +107,8 @@ class LLMEngine:
         for f in result.forks:
             request, _ = self._seq_owner[f.parent]
             self._seq_owner[f.child] = (request, f.sample_index)
+            request.samples[f.sample_index].generator = self.worker.sampler.generator_for(request.params,
+                                                                                          f.sample_index)
         now = time.monotonic()
         k = 0
         for r, row in enumerate(out.sample_rows):
@@ -144,7 +145,7 @@ class LLMEngine:
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        total = len(token_ids) + params.max_tokens
+        total = len(token_ids) + (params.max_tokens or 1)
         if total > self.max_model_len:
             raise ValueError(f"the prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
                              f"{total} tokens, more than max_model_len ({self.max_model_len})")
@@ -152,6 +153,9 @@ class LLMEngine:
             raise ValueError(f"n={params.n} is more than max_num_seqs ({self.scheduler.config.max_num_seqs})")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs ({self.config.max_logprobs})")
+
+    def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        return params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
 
     def _mark_scheduled(self, out, now: float) -> None:
         for seq_id in out.seq_ids:
@@ -167,7 +171,7 @@ class LLMEngine:
             rows.append(SamplingRow(params=request.params, num_samples=int(out.num_samples[r]),
                                     prompt_token_ids=request.prompt_token_ids,
                                     output_token_ids=request.samples[index].token_ids,
-                                    generator=request.generator))
+                                    generator=request.samples[index].generator))
             row_seqs.append(seq_id)
         return rows, row_seqs
 
@@ -184,31 +188,16 @@ class LLMEngine:
             request.metrics.first_token_time = now
         request.metrics.last_token_time = now
         self.num_generation_tokens_total += 1
-        sample.token_ids.append(token)
-        sample.new_token_ids.append(token)
-        sample.changed = True
         touched[request.request_id] = request
         if logprob is not None and sample.logprobs is not None:
             entry = self._logprob_entry(logprob)
             sample.logprobs.append(entry)
             sample.new_logprobs.append(entry)
             sample.cumulative_logprob += logprob.logprob
-        if sample.detokenizer is not None:
-            self._detokenize(seq_id, request, sample, token)
-
-    def _detokenize(self, seq_id: int, request: Request, sample: Sample, token: int) -> None:
-        params = request.params
-        sample.detokenizer.step([token])
-        stop = sample.detokenizer.check_stop(params.stop or [], params.include_stop_str_in_output) \
-            if params.stop else None
-        if stop is not None:
-            sample.detokenizer.truncate(stop.cut_at)
-        new_text = sample.detokenizer.flush(final=stop is not None)
-        sample.text += new_text
-        sample.new_text += new_text
+        stop = sample.add_token(token)
         if stop is not None:
             self.scheduler.finish(seq_id, _core.FinishReason.STOP)
-            sample.finish("stop", stop.stop_string)
+            sample.finish("stop", stop.stop)
             self._retire(seq_id, request)
 
     def _logprob_entry(self, lp) -> dict[int, Logprob]:
@@ -225,10 +214,7 @@ class LLMEngine:
             return
         request, index = owner
         sample = request.samples[index]
-        if sample.detokenizer is not None and not sample.finished:
-            tail = sample.detokenizer.flush(final=True)
-            sample.text += tail
-            sample.new_text += tail
+        sample.release_tail()
         stop_reason = None
         if reason == _core.FinishReason.STOP and stop_token is not None and \
                 stop_token in (request.params.stop_token_ids or []):

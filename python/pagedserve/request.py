@@ -16,6 +16,7 @@ import torch
 from pagedserve.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.stop_strings import StopMatch, StopStringStream
 
 
 @dataclass
@@ -24,6 +25,8 @@ class Sample:
 
     index: int
     detokenizer: Optional[IncrementalDetokenizer]
+    stop_stream: Optional[StopStringStream]  # holds back text that may become a stop string
+    generator: Optional[torch.Generator] = None  # a seeded request's noise source for this sample
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: Optional[list[dict[int, Logprob]]] = None
@@ -47,6 +50,34 @@ class Sample:
         self.stop_reason = stop_reason
         self.changed = True
 
+    def add_token(self, token: int) -> Optional[StopMatch]:
+        """Appends a sampled token and its text; returns the stop string it completed, if any."""
+        self.token_ids.append(token)
+        self.new_token_ids.append(token)
+        self.changed = True
+        if self.detokenizer is None:
+            return None
+        return self._add_text(self.detokenizer.step([token]))
+
+    def release_tail(self) -> None:
+        """At a finish other than a stop string: hands out the text held back so far."""
+        if self.detokenizer is None or self.finished:
+            return
+        if self._add_text(self.detokenizer.flush()) is None and self.stop_stream is not None:
+            self._emit(self.stop_stream.flush())
+
+    def _add_text(self, text: str) -> Optional[StopMatch]:
+        if self.stop_stream is None:
+            self._emit(text)
+            return None
+        delta = self.stop_stream.feed(text)
+        self._emit(delta.text)
+        return delta.match
+
+    def _emit(self, text: str) -> None:
+        self.text += text
+        self.new_text += text
+
 
 class Request:
     def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int], params: SamplingParams,
@@ -56,19 +87,21 @@ class Request:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
-        self.generator: Optional[torch.Generator] = None  # set by the engine for seeded requests
         self.num_cached_tokens = 0
         self.error: Optional[str] = None
         self.samples = [self._new_sample(i, tokenizer) for i in range(params.n)]
 
     def _new_sample(self, index: int, tokenizer) -> Sample:
-        detok = None
-        if tokenizer is not None and self.params.detokenize:
-            detok = IncrementalDetokenizer(tokenizer, self.prompt_token_ids,
-                                           skip_special_tokens=self.params.skip_special_tokens)
-        logprobs = [] if self.params.logprobs is not None else None
-        cumulative = 0.0 if self.params.logprobs is not None else None
-        return Sample(index=index, detokenizer=detok, logprobs=logprobs, cumulative_logprob=cumulative)
+        p = self.params
+        detok = stream = None
+        if tokenizer is not None:
+            detok = IncrementalDetokenizer(tokenizer, self.prompt_token_ids, skip_special_tokens=p.skip_special_tokens)
+            if p.stop:
+                stream = StopStringStream([p.stop] if isinstance(p.stop, str) else p.stop,
+                                          p.include_stop_str_in_output)
+        want_logprobs = p.logprobs is not None
+        return Sample(index=index, detokenizer=detok, stop_stream=stream, logprobs=[] if want_logprobs else None,
+                      cumulative_logprob=0.0 if want_logprobs else None)
 
     @property
     def finished(self) -> bool:

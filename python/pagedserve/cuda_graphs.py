@@ -1,0 +1,93 @@
+"""CUDA graphs for decode steps.
+
+A decode step (every row brings one token) runs the same kernels whatever the
+batch's contents, so the forward is captured once per batch size in a ladder
+(1, 2, 4, 8, then every 16 up to max_num_seqs) over the StepInputs device
+views, and replayed: a step of S sequences replays the smallest captured size
+>= S, with rows past S padded (no KV write, empty context). The attention
+kernels read lengths and block tables from device memory and size their grid
+for max_model_len, so one capture serves every context length.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pagedserve.attention_metadata import AttentionMetadata
+from pagedserve.step_inputs import PAD_SLOT, StepInputs
+
+logger = logging.getLogger("pagedserve")
+
+
+def batch_size_ladder(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+@dataclass
+class CapturedDecode:
+    batch_size: int
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor  # the graph's output, overwritten by each replay
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.hidden
+
+
+class CudaGraphs:
+    def __init__(self, model, kv_cache: torch.Tensor, inputs: StepInputs, max_num_seqs: int, max_seq_len: int,
+                 workspace: Optional[torch.Tensor]):
+        self.sizes = batch_size_ladder(max_num_seqs)
+        self._by_size: dict[int, CapturedDecode] = {}
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        self._fill_dummy_inputs(inputs, max_num_seqs)
+        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+            self._by_size[bs] = self._capture(model, kv_cache, inputs, bs, max_seq_len, workspace, pool)
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
+                    self.sizes[-1], time.perf_counter() - start)
+        # The smallest captured size >= S, for every S.
+        self._size_for = np.zeros(max_num_seqs + 1, dtype=np.int64)
+        for s in range(1, max_num_seqs + 1):
+            self._size_for[s] = next(b for b in self.sizes if b >= s)
+
+    @staticmethod
+    def _fill_dummy_inputs(inputs: StepInputs, rows: int) -> None:
+        # Capture runs the kernels once: give them a harmless batch (one-token contexts in block 0, no writes).
+        dev = inputs._device
+        dev.zero_()
+        seg = inputs._segments
+        dev[seg["slot_mapping"].offset:seg["slot_mapping"].offset + rows].fill_(PAD_SLOT)
+        qsl = seg["query_start_loc"].offset
+        dev[qsl:qsl + rows + 1] = torch.arange(rows + 1, dtype=torch.int32, device=dev.device)
+        sl = seg["seq_lens"].offset
+        dev[sl:sl + rows].fill_(1)
+
+    @staticmethod
+    def _capture(model, kv_cache, inputs: StepInputs, bs: int, max_seq_len: int, workspace, pool) -> CapturedDecode:
+        view = inputs._view
+        attn = AttentionMetadata(slot_mapping=view("slot_mapping")[:bs], block_tables=inputs.block_tables[:bs],
+                                 query_start_loc=view("query_start_loc")[:bs + 1], seq_lens=view("seq_lens")[:bs],
+                                 max_query_len=1, max_seq_len=max_seq_len, num_decodes=bs, workspace=workspace)
+        input_ids, positions = view("input_ids")[:bs], view("positions")[:bs]
+        model.forward(input_ids, positions, attn, kv_cache)  # warm up: library handles, autotuning
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = model.forward(input_ids, positions, attn, kv_cache)
+        return CapturedDecode(bs, graph, hidden)
+
+    def lookup(self, step) -> Optional[CapturedDecode]:
+        n = step.num_seqs
+        if n == 0 or step.num_decodes != n or step.num_tokens != n or n >= len(self._size_for):
+            return None
+        return self._by_size[int(self._size_for[n])]

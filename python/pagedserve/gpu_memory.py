@@ -1,0 +1,43 @@
+"""Sizing the KV cache on a GPU from a memory budget, as vLLM does.
+
+The engine may use `gpu_memory_utilization` of the card. Whatever the weights,
+the worst-case step's activations (profiled by running it) and memory outside
+torch's allocator (CUDA context, library workspaces) leave of that goes to the
+KV cache, allocated once: peak memory then does not grow with concurrency.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger("pagedserve")
+
+# CUDA graphs' private pool and the sampler's scratch beyond the profiled step.
+GRAPH_RESERVE_BYTES = 512 << 20
+
+
+def kv_cache_budget_bytes(run_worst_case_step: Callable[[], None], gpu_memory_utilization: float,
+                          device: torch.device) -> int:
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    resident = torch.cuda.memory_allocated(device)  # weights and other long-lived tensors
+    run_worst_case_step()
+    torch.cuda.synchronize(device)
+    activations = torch.cuda.max_memory_allocated(device) - resident
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    outside_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+    budget = int(total * gpu_memory_utilization) - resident - activations - outside_torch - GRAPH_RESERVE_BYTES
+    logger.info("GPU memory: %.2f GiB total, weights %.2f GiB, peak activations %.2f GiB, outside torch %.2f GiB "
+                "-> KV cache %.2f GiB", total / 2**30, resident / 2**30, activations / 2**30,
+                outside_torch / 2**30, budget / 2**30)
+    if budget <= 0:
+        raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization={gpu_memory_utilization}: "
+                         "raise it, or lower max_num_batched_tokens / max_num_seqs")
+    return budget

@@ -1,0 +1,206 @@
+"""The batched sampler: one call per step turns [R, V] logits into token ids.
+
+Order of operations (vLLM v1's): raw logprobs are taken from the unprocessed
+logits; then min_tokens masking -> repetition penalty -> frequency/presence
+penalties -> greedy rows take the argmax -> temperature -> min_p -> top_k ->
+top_p -> an exponential race draws the token. A row asking for n samples is
+processed once and raced n times with independent noise.
+
+Randomness: a row with its own generator (a request with a seed) draws its
+noise from that generator alone, in a fixed shape, so its tokens do not depend
+on what else is in the batch or where. Every other row draws from the
+sampler's generator in one batched call.
+
+The caller's logits are never modified. Results reach the host in exactly one
+device-to-host copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from pagedserve.sampling_ops import (apply_min_p_, apply_min_tokens, apply_penalties,
+                                     apply_top_k_top_p_, exponential_race)
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_tensors import SamplingBatch, SamplingRow, build_sampling_batch
+
+__all__ = ["Sampler", "SamplerOutput", "SampleLogprobs", "SamplingRow"]
+
+# An odd 64-bit constant (the golden ratio's fraction) that spreads fork seeds apart.
+_FORK_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class SampleLogprobs:
+    """Log-probabilities of one sampled token under the raw model distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 + the number of tokens strictly more likely than the sampled one
+    top: list[tuple[int, float]]  # the row's top-N (token id, logprob), most likely first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # sum(num_samples) ids, row-major: row 0's samples first
+    logprobs: Optional[list[Optional[SampleLogprobs]]]  # per sample; None: nobody asked
+
+
+class Sampler:
+    def __init__(self, device: torch.device | str, vocab_size: int, eos_token_ids: Sequence[int],
+                 seed: Optional[int] = None):
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be at least 1, got {vocab_size}")
+        self.device = torch.device(device)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    def generator_for(self, params: SamplingParams,
+                      sample_index: int = 0) -> Optional[torch.Generator]:
+        """The generator a seeded request (or its sample_index-th fork) keeps for its lifetime.
+
+        Forks of one seeded request get distinct, reproducible streams, so a
+        child's tokens do not depend on where its siblings sit in the batch.
+        """
+        if params.seed is None:
+            return None
+        seed = (params.seed + sample_index * _FORK_SEED_STRIDE) % 2**64
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        self._check_inputs(logits, rows)
+        logits = logits[:, :self.vocab_size]
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=None)
+        if self._is_plain_greedy(rows):
+            ids = logits.argmax(dim=-1).tolist()
+            return SamplerOutput([t for t, row in zip(ids, rows) for _ in range(row.num_samples)],
+                                 logprobs=None)
+        batch = build_sampling_batch(rows, self.vocab_size, self.eos_token_ids, self.device)
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs is not None else None
+        if batch.min_tokens_block is not None:
+            logits = apply_min_tokens(logits, batch.min_tokens_block)
+        if batch.penalties is not None:
+            logits = apply_penalties(logits, batch.penalties)
+        token_ids = self._sample(logits, batch)
+        return self._to_host(token_ids, raw_logprobs, batch)
+
+    # -- sampling -------------------------------------------------------------------
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[S] token ids, one per sample."""
+        greedy_ids = logits.argmax(dim=-1) if batch.greedy_rows is not None else None
+        if batch.all_greedy:
+            assert greedy_ids is not None
+            return self._per_sample(greedy_ids, batch)
+        random_ids = self._sample_random(logits, batch)
+        if greedy_ids is None:
+            return random_ids
+        assert batch.greedy_rows is not None
+        return torch.where(self._per_sample(batch.greedy_rows, batch),
+                           self._per_sample(greedy_ids, batch), random_ids)
+
+    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        assert batch.temperature is not None
+        logits = logits / batch.temperature  # a fresh tensor: the in-place steps below own it
+        if batch.min_p is not None:
+            apply_min_p_(logits, batch.min_p)
+        if batch.top_k is not None or batch.top_p is not None:
+            apply_top_k_top_p_(logits, batch.top_k, batch.top_p, batch.max_top_k)
+        probs = self._per_sample(logits.softmax(dim=-1), batch)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for seeded in batch.seeded:
+            noise[seeded.start:seeded.start + seeded.count].exponential_(generator=seeded.generator)
+        return exponential_race(probs, noise)
+
+    @staticmethod
+    def _per_sample(per_row: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        return per_row if batch.sample_rows is None else per_row[batch.sample_rows]
+
+    # -- results --------------------------------------------------------------------
+
+    def _to_host(self, token_ids: torch.Tensor, raw_logprobs: Optional[torch.Tensor],
+                 batch: SamplingBatch) -> SamplerOutput:
+        if raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None)
+        assert batch.max_logprobs is not None
+        packed = _pack_logprobs(token_ids, raw_logprobs, batch.max_logprobs, batch)
+        host = packed.cpu().numpy()  # the single device-to-host copy
+        return _unpack_logprobs(host, batch)
+
+    # -- checks ---------------------------------------------------------------------
+
+    def _is_plain_greedy(self, rows: Sequence[SamplingRow]) -> bool:
+        """True when the whole step is one argmax: no penalties, logprobs or min_tokens."""
+        for row in rows:
+            p = row.params
+            if not p.greedy or p.has_penalties or p.logprobs is not None:
+                return False
+            blocks_stop_tokens = bool(p.stop_token_ids or self.eos_token_ids)
+            if len(row.output_token_ids) < p.min_tokens and blocks_stop_tokens:
+                return False
+        return True
+
+    def _check_inputs(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        if logits.dim() != 2 or not logits.is_floating_point():
+            raise ValueError(f"logits must be a 2-D floating tensor, got shape "
+                             f"{tuple(logits.shape)} dtype {logits.dtype}")
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"logits has {logits.shape[0]} rows but {len(rows)} rows were given")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits has {logits.shape[1]} columns, fewer than "
+                             f"vocab_size={self.vocab_size}")
+        if logits.device.type != self.device.type:
+            raise ValueError(f"logits are on {logits.device} but the sampler is on {self.device}")
+        for i, row in enumerate(rows):
+            if row.num_samples < 1:
+                raise ValueError(f"rows[{i}].num_samples must be at least 1, got {row.num_samples}")
+            if row.generator is not None and row.generator.device.type != self.device.type:
+                raise ValueError(f"rows[{i}].generator is on {row.generator.device}, "
+                                 f"the sampler on {self.device}")
+
+
+def _pack_logprobs(token_ids: torch.Tensor, raw_logprobs: torch.Tensor, top_n: int,
+                   batch: SamplingBatch) -> torch.Tensor:
+    """Everything the host needs as one int32 tensor (float32 values bit-cast).
+
+    Layout: ids[S] | ranks[S] | sampled logprob bits[S] | top ids[R*N] | top logprob bits[R*N].
+    """
+    per_sample = raw_logprobs if batch.sample_rows is None else raw_logprobs[batch.sample_rows]
+    sampled = per_sample.gather(1, token_ids.unsqueeze(1))
+    ranks = (per_sample > sampled).sum(dim=-1) + 1
+    top_values, top_ids = raw_logprobs.topk(top_n, dim=-1)
+    return torch.cat([
+        token_ids.to(torch.int32), ranks.to(torch.int32), sampled.view(-1).view(torch.int32),
+        top_ids.reshape(-1).to(torch.int32), top_values.reshape(-1).view(torch.int32),
+    ])
+
+
+def _unpack_logprobs(host: np.ndarray, batch: SamplingBatch) -> SamplerOutput:
+    s, r = batch.num_samples, batch.num_rows
+    n = batch.max_logprobs
+    assert n is not None
+    ids = host[:s].tolist()
+    ranks = host[s:2 * s].tolist()
+    sampled = host[2 * s:3 * s].view(np.float32).tolist()
+    top_ids = host[3 * s:3 * s + r * n].reshape(r, n).tolist()
+    top_values = host[3 * s + r * n:].view(np.float32).reshape(r, n).tolist()
+    logprobs: list[Optional[SampleLogprobs]] = []
+    for i, row in enumerate(batch.sample_rows_host):
+        asked = batch.requested_logprobs[row]
+        if asked is None:
+            logprobs.append(None)
+            continue
+        top = list(zip(top_ids[row][:asked], top_values[row][:asked]))
+        logprobs.append(SampleLogprobs(ids[i], sampled[i], ranks[i], top))
+    return SamplerOutput(token_ids=ids, logprobs=logprobs)

@@ -1,0 +1,65 @@
+"""Loading a HF tokenizer and turning prompts and chats into token ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(model_dir: Union[str, Path]) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in a HF-format model directory; never touches the network."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model_dir {str(path)!r} is not a directory")
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model_dir {str(path)!r} holds no loadable tokenizer: {err}") from err
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of a plain-text prompt, with BOS when the tokenizer is set to add one.
+
+    A prompt that already starts with the BOS text (e.g. a chat template
+    rendered by the user) does not get a second BOS.
+    """
+    ids = list(tokenizer.encode(text, add_special_tokens=True))
+    bos_id, bos_text = tokenizer.bos_token_id, tokenizer.bos_token
+    if (bos_id is not None and bos_text and text.startswith(bos_text)
+            and ids[:2] == [bos_id, bos_id]):
+        ids = ids[1:]
+    return ids
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
+                        add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a chat rendered with the model's template.
+
+    The template writes every special token itself (BOS included), so the
+    rendered text is encoded without adding any.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"the tokenizer {tokenizer.name_or_path!r} has no chat template: "
+                         "send a plain-text prompt (completions) instead of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message:
+            raise ValueError(f"messages[{i}] must be a mapping with a 'role', got {message!r}")
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase,
+                  model_config_eos: Optional[Union[int, Iterable[int]]]) -> list[int]:
+    """The model config's EOS ids (int or list) followed by the tokenizer's, without repeats."""
+    if model_config_eos is None:
+        configured: list[int] = []
+    elif isinstance(model_config_eos, int):
+        configured = [model_config_eos]
+    else:
+        configured = list(model_config_eos)
+    if tokenizer.eos_token_id is not None:
+        configured.append(tokenizer.eos_token_id)
+    return list(dict.fromkeys(configured))
