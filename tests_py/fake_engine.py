@@ -33,7 +33,7 @@ class ByteTokenizer:
 @dataclass
 class _Sample:
     index: int
-    tokens: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     new_tokens: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     changed: bool = False
@@ -139,11 +139,11 @@ class FakeEngine:
             for s in request.samples:
                 if s.finish_reason is not None:
                     continue
-                token = (len(request.prompt_token_ids) + s.index + len(s.tokens)) % 26 + ord("a")
-                s.tokens.append(token)
+                token = (len(request.prompt_token_ids) + s.index + len(s.token_ids)) % 26 + ord("a")
+                s.token_ids.append(token)
                 s.new_tokens.append(token)
                 s.changed = True
-                if len(s.tokens) >= request.params.max_tokens:
+                if len(s.token_ids) >= request.params.max_tokens:
                     s.finish_reason = "length"
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
@@ -173,7 +173,7 @@ class FakeEngine:
         return list(self.requests.values())[:self.max_num_seqs]
 
     def _blocks_of(self, request: FakeRequest) -> int:
-        tokens = len(request.prompt_token_ids) + max(len(s.tokens) for s in request.samples)
+        tokens = len(request.prompt_token_ids) + max(len(s.token_ids) for s in request.samples)
         return -(-tokens // self.block_size)
 
     def _block_states(self) -> bytes:

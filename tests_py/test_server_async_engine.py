@@ -146,8 +146,10 @@ def test_a_full_waiting_queue_refuses_requests_until_it_drains():
 
     async def body(async_engine):
         streams = [await async_engine.generate([prompt("a")], params(8), f"q{i}") for i in range(3)]
-        await async_engine.read(lambda engine, loop: None)  # let the loop publish its waiting count
+        state = await async_engine.read(read_engine_state)  # also lets the loop publish its waiting count
         assert async_engine.num_waiting == 2  # one running, two waiting
+        assert [r["id"] for r in state["running"]] == ["q0"] and [r["id"] for r in state["waiting"]] == ["q1", "q2"]
+        assert state["running"][0]["prompt_tokens"] == 1 and state["waiting"][0]["output_tokens"] == 0
         with pytest.raises(EngineOverloaded, match="max-num-waiting"):
             await async_engine.generate([prompt("b")], params(8), "refused")
         results = [await collect(s) for s in streams]

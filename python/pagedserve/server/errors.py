@@ -89,6 +89,8 @@ def _validation_message(err: RequestValidationError) -> tuple[str, Optional[str]
     if first.get("type") == "missing" and not loc:
         return "the request body is missing (send a JSON object)", None
     param = ".".join(loc) if loc else None
+    if first.get("type") == "missing":
+        return f"'{param}' is required", param
     got = first.get("input")
     shown = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
     where = f"'{param}'" if param else "the request body"
