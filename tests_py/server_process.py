@@ -48,6 +48,9 @@ class ServerProcess:
                *self.args]
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
+        # One torch thread: the server shares 2 cores with the test's clients, and OpenMP's spinning
+        # workers slow every step many times over when a core is taken.
+        env.setdefault("OMP_NUM_THREADS", "1")
         python_dir = str(REPO_ROOT / "python")
         if (REPO_ROOT / "python" / "pagedserve").is_dir() and python_dir not in env.get("PYTHONPATH", ""):
             env["PYTHONPATH"] = os.pathsep.join(p for p in (python_dir, env.get("PYTHONPATH")) if p)
