@@ -53,7 +53,7 @@ def expect_error(call, status: int, param=None, match: str = "") -> openai.APISt
 
 def raw_post(server, path: str, **kw) -> httpx.Response:
     headers = {"Authorization": f"Bearer {API_KEY}", **kw.pop("headers", {})}
-    return httpx.post(server.url + path, headers=headers, timeout=60, **kw)
+    return httpx.post(server.url + path, headers=headers, timeout=kw.pop("timeout", 60), **kw)
 
 
 def assert_serving(client, model) -> None:
