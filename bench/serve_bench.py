@@ -121,7 +121,7 @@ async def run_rate(url: str, model: str, prompts: list[list[int]], output_len: i
                 return await one_request(client, url, model, prompt, output_len)
         tasks = []
         start = time.perf_counter()
-        for prompt, gap in zip(prompts, arrival_gaps(len(prompts), rate, seed)):
+        for prompt, gap in zip(prompts, arrival_gaps(len(prompts), rate, seed), strict=True):
             await asyncio.sleep(gap)
             tasks.append(asyncio.create_task(gated(prompt)))
         results = await asyncio.gather(*tasks)
@@ -145,9 +145,11 @@ def summarize(rate: float, results: list[RequestResult], duration: float) -> dic
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_len for r in ok)
-    row = {"request_rate": "inf" if math.isinf(rate) else rate, "completed": len(ok), "failed": len(results) - len(ok),
+    row = {"request_rate": "inf" if math.isinf(rate) else rate, "completed": len(ok),
+           "failed": len(results) - len(ok),
            "duration_s": duration, "request_throughput": len(ok) / duration,
-           "output_token_throughput": out_tokens / duration, "total_token_throughput": (in_tokens + out_tokens) / duration,
+           "output_token_throughput": out_tokens / duration,
+           "total_token_throughput": (in_tokens + out_tokens) / duration,
            "total_input_tokens": in_tokens, "total_output_tokens": out_tokens}
     row.update(percentiles([r.ttft for r in ok], "ttft"))
     row.update(percentiles([r.tpot for r in ok if r.tpot is not None], "tpot"))
@@ -205,8 +207,10 @@ async def bench(args: argparse.Namespace, url: str) -> dict:
               flush=True)
     server = {"model": model, "device": state.get("device"), "max_model_len": state.get("max_model_len"),
               "num_kv_blocks": state.get("stats", {}).get("num_blocks")}
-    return {"server": server, "config": {k: v for k, v in vars(args).items() if k not in ("serve_args",)},
-            "results": rows}
+    config = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+              "rates": ["inf" if math.isinf(r) else r for r in args.rates], "seed": args.seed,
+              "max_concurrency": args.max_concurrency, "serve_args": args.serve_args if args.launch else None}
+    return {"server": server, "config": config, "results": rows}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

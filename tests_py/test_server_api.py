@@ -206,7 +206,7 @@ def test_completion_logprobs(client, model):
     lp = out.choices[0].logprobs
     n = out.usage.completion_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
-    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert sampled <= 0 and 1 <= len(top) <= 3
         assert sampled == pytest.approx(max(top.values()), abs=1e-4)  # greedy picks the most likely
     assert lp.text_offset == sorted(lp.text_offset)

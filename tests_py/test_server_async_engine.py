@@ -64,7 +64,7 @@ def test_concurrent_requests_get_their_own_outputs_from_one_engine_thread():
         return await asyncio.gather(*(one(i, *case) for i, case in enumerate(cases)))
 
     results = run(engine, body)
-    for (text, max_tokens, n), got in zip(cases, results):
+    for (text, max_tokens, n), got in zip(cases, results, strict=True):
         assert got == {(0, j): (expected_text(len(text), j, max_tokens), "length") for j in range(n)}
     assert len(engine.thread_ids) == 1 and threading.get_ident() not in engine.thread_ids
     assert engine.requests == {}
@@ -135,7 +135,8 @@ def test_cancelling_the_consumer_aborts_the_request():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return await async_engine.read(lambda engine, loop: (engine.get_num_unfinished_requests(), loop.state.num_steps))
+        return await async_engine.read(
+            lambda engine, loop: (engine.get_num_unfinished_requests(), loop.state.num_steps))
 
     unfinished, steps = run(engine, body)
     assert unfinished == 0 and 0 < steps < 60

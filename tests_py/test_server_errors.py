@@ -185,7 +185,8 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(server, client, model
     streams = []
     try:
         for _ in range(3):  # one runs (max_num_seqs 1), two wait (max_num_waiting 2)
-            streams.append(client.completions.create(model=model, prompt=PROMPT, stream=True, extra_body=LONG_GENERATION))
+            streams.append(client.completions.create(model=model, prompt=PROMPT, stream=True,
+                                                     extra_body=LONG_GENERATION))
         deadline = time.monotonic() + 30
         while len(server.engine_state()["waiting"]) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -204,9 +205,7 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(server, client, model
 
 def test_a_streaming_client_that_disconnects_frees_its_blocks_at_once(server, client, model):
     stream = client.completions.create(model=model, prompt=PROMPT, stream=True, extra_body=LONG_GENERATION)
-    received = 0
-    for chunk in stream:
-        received += 1
+    for received, _ in enumerate(stream, start=1):
         if received == 3:
             break
     busy = server.engine_state()

@@ -17,9 +17,9 @@ import asyncio
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from pagedserve.server.engine_loop import (AbortCommand, AddCommand, EngineLoop, EngineStepError,
-                                           EngineUnavailable, SnapshotCommand, StepObserver, StopCommand,
-                                           WaitingCount)
+from pagedserve.server.engine_commands import (AbortCommand, AddCommand, EngineStepError, EngineUnavailable,
+                                               SnapshotCommand, StepObserver, StopCommand, WaitingCount)
+from pagedserve.server.engine_loop import EngineLoop
 
 __all__ = ["AsyncEngine", "OutputStream", "EngineOverloaded", "EngineUnavailable", "EngineStepError"]
 
@@ -139,7 +139,7 @@ class AsyncEngine:
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         accepted = []
         self._waiting.add_submitted(len(prompts))
-        for index, (rid, prompt) in enumerate(zip(ids, prompts)):
+        for index, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
             self._routes[rid] = (outputs, index)
             future = self._event_loop.create_future()
             accepted.append(future)

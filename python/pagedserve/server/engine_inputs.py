@@ -60,7 +60,7 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer) -> dict:
 
     if not body.messages:
         raise bad_request("'messages' is empty: send at least one message", "messages")
-    messages = [_message_dict(m, i) for i, m in enumerate(body.messages)]
+    messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
     try:
         ids = apply_chat_template(tokenizer, messages, add_generation_prompt=body.add_generation_prompt)
     except ValueError as err:
@@ -70,7 +70,8 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer) -> dict:
     return {"prompt": None, "prompt_token_ids": ids}
 
 
-def _message_dict(message: ChatMessage, position: int) -> dict:
+def message_dict(message: ChatMessage, position: int) -> dict:
+    """A chat message as the template expects it; text parts are joined, other parts refused."""
     content = message.content
     if isinstance(content, list):
         texts = []

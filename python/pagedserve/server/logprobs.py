@@ -30,7 +30,7 @@ class CompletionLogprobs:
         if entries is None:
             return None
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token_id, entry in zip(token_ids, entries):
+        for token_id, entry in zip(token_ids, entries, strict=True):
             sampled = entry[token_id]
             out["tokens"].append(_text(sampled))
             out["token_logprobs"].append(sampled.logprob)
@@ -56,7 +56,7 @@ def chat_logprobs(token_ids: list[int], entries: Optional[list[dict]], top_n: in
     if entries is None:
         return None
     content = []
-    for token_id, entry in zip(token_ids, entries):
+    for token_id, entry in zip(token_ids, entries, strict=True):
         sampled = entry[token_id]
         content.append({
             "token": _text(sampled), "logprob": sampled.logprob, "bytes": list(_text(sampled).encode("utf-8")),

@@ -9,6 +9,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from pagedserve.server.context import ServerContext
+from pagedserve.server.engine_inputs import message_dict
 from pagedserve.server.engine_state import read_engine_state
 from pagedserve.server.errors import bad_request
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST
@@ -94,7 +95,7 @@ def _tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict:
         ids = encode_prompt(ctx.tokenizer, body.prompt) if body.add_special_tokens else \
             list(ctx.tokenizer.encode(body.prompt, add_special_tokens=False))
     else:
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
         try:
             ids = apply_chat_template(ctx.tokenizer, messages, add_generation_prompt=body.add_generation_prompt)
         except ValueError as err:
