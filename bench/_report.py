@@ -42,6 +42,8 @@ def _cpu_model() -> str:
 
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     def fmt(v):
+        if v is None:
+            return "-"
         if isinstance(v, float):
             return f"{v:,.2f}" if abs(v) >= 0.01 else f"{v:.3g}"
         return str(v)

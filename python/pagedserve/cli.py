@@ -25,7 +25,6 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--seed", dest="sample_seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--n", type=int, default=1, help="completions per prompt (parallel sampling)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -36,7 +35,7 @@ def _sampling_params(args: argparse.Namespace):
     return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                           min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                           presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          seed=args.sample_seed, max_tokens=args.max_tokens, stop=args.stop,
+                          seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
                           ignore_eos=args.ignore_eos)
 
 

@@ -43,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="dummy = random weights for the model's config (benchmarking)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="random seed (sampling is reproducible for a given seed)")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + output tokens)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -79,7 +79,7 @@ class Worker:
             max_model_len = capacity
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_blocks
-        self.kv_cache = allocate_kv_cache(mc.num_hidden_layers, num_blocks, mc.num_key_value_heads,
+        self.kv_cache = allocate_kv_cache(mc.num_layers, num_blocks, mc.num_kv_heads,
                                           self.block_size, mc.head_dim, mc.dtype, self.device)
         eos = eos_token_ids(self.tokenizer, mc.eos_token_ids) if self.tokenizer is not None else list(mc.eos_token_ids)
         self.eos_token_ids = eos
@@ -99,7 +99,7 @@ class Worker:
         if self.config.num_kv_blocks:
             return self.config.num_kv_blocks
         mc = self.model_config
-        per_block = bytes_per_block(mc.num_hidden_layers, mc.num_key_value_heads, self.block_size, mc.head_dim,
+        per_block = bytes_per_block(mc.num_layers, mc.num_kv_heads, self.block_size, mc.head_dim,
                                     mc.dtype)
         budget = (self.config.kv_cache_memory_gb or CPU_KV_CACHE_GB) * 2**30
         # No point holding more than every sequence at full length needs.

@@ -1,0 +1,33 @@
+"""Model configs for benchmarking shapes we have no weights for (load_format="dummy")."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+SHAPES = {
+    "tinyllama-1.1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32000, "hidden_size": 2048,
+        "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    },
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
+        "torch_dtype": "bfloat16", "hidden_act": "silu",
+    },
+}
+
+
+def shape_dir(name: str) -> Path:
+    """A directory holding just the config.json of a named shape."""
+    if name not in SHAPES:
+        raise SystemExit(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    path = Path(tempfile.gettempdir()) / "pagedserve-shapes" / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    return path

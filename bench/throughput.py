@@ -1,0 +1,212 @@
+"""Output throughput vs concurrency: pagedserve against transformers, same run.
+
+For each concurrency C, C requests (random prompt token ids, PROMPT_LEN long)
+each generate OUTPUT_LEN tokens with ignore_eos. Reported per engine: output
+tokens per second over the wall time, mean time per output token of a request,
+and peak GPU memory. transformers runs (a) one request at a time — its rate
+does not depend on C, so a sample of requests measures it — and (b) one
+statically padded batch of C.
+
+    python bench/throughput.py --device cpu --concurrency 1 4 16          # the CPU issue's figure
+    python bench/throughput.py --device cuda --shape tinyllama-1.1b --concurrency 1 4 16 32 64 128 256
+    python bench/throughput.py --quick                                    # CI: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import markdown_table, save  # noqa: E402
+from model_shapes import shape_dir  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--shape", default=None, help="dummy-weight model shape (bench/model_shapes.py)")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--output-len", type=int, default=150)
+    ap.add_argument("--hf-sequential-requests", type=int, default=2, help="sample size for transformers one-by-one")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    ap.add_argument("--hf-static-max", type=int, default=256, help="largest static batch given to transformers")
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--name", default=None, help="results file name (default derived from device and model)")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks that the script works")
+    ap.add_argument("--plot", action="store_true", help="also save a PNG of tok/s vs concurrency")
+    args = ap.parse_args()
+    if args.quick:
+        args.concurrency, args.output_len, args.prompt_len, args.hf_sequential_requests = [1, 4], 8, 8, 1
+    return args
+
+
+def prompts_for(n: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, min(vocab, 30000), size=(n, prompt_len)).tolist()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def peak_gib(device: str) -> float | None:
+    return torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None
+
+
+def reset_peak(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_pagedserve(args, model_dir: Path, load_format: str, dtype: str) -> tuple[list[dict], int]:
+    from pagedserve import LLM, SamplingParams
+    max_seqs = args.max_num_seqs or max(args.concurrency)
+    llm = LLM(str(model_dir), dtype=dtype, device=args.device, load_format=load_format, max_num_seqs=max_seqs,
+              max_model_len=args.prompt_len + args.output_len + 16)
+    vocab = llm.llm_engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts_for(2, args.prompt_len, vocab, seed=99)],
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
+    rows = []
+    for c in args.concurrency:
+        prompts = [{"prompt_token_ids": p} for p in prompts_for(c, args.prompt_len, vocab)]
+        reset_peak(args.device)
+        sync(args.device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync(args.device)
+        wall = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        tpot = statistics.mean((o.metrics.last_token_time - o.metrics.first_token_time) /
+                               max(1, len(o.outputs[0].token_ids) - 1) for o in outs)
+        rows.append({"engine": "pagedserve", "concurrency": c, "output_tok_s": tokens / wall,
+                     "ms_per_output_token": tpot * 1e3, "wall_s": wall, "peak_gpu_gib": peak_gib(args.device)})
+        print(f"pagedserve      C={c:4d}: {tokens / wall:10.1f} tok/s", flush=True)
+    del llm
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return rows, vocab
+
+
+def load_hf(model_dir: Path, load_format: str, dtype: torch.dtype, device: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if load_format == "dummy":
+        config = AutoConfig.from_pretrained(model_dir)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device).eval()
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: list[list[int]], output_len: int, device: str) -> float:
+    ids = torch.tensor(prompts, device=device)  # equal lengths: no padding needed
+    sync(device)
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len, min_new_tokens=output_len,
+                   do_sample=False, pad_token_id=0)
+    sync(device)
+    return time.perf_counter() - start
+
+
+def run_transformers(args, model_dir: Path, load_format: str, dtype: torch.dtype, vocab: int) -> list[dict]:
+    model = load_hf(model_dir, load_format, dtype, args.device)
+    hf_generate(model, prompts_for(1, args.prompt_len, vocab, seed=99), 4, args.device)  # warm up
+    rows = []
+    reset_peak(args.device)
+    seq_prompts = prompts_for(args.hf_sequential_requests, args.prompt_len, vocab)
+    seconds = sum(hf_generate(model, [p], args.output_len, args.device) for p in seq_prompts)
+    seq_rate = len(seq_prompts) * args.output_len / seconds
+    seq_peak = peak_gib(args.device)
+    print(f"hf sequential        : {seq_rate:10.1f} tok/s", flush=True)
+    for c in args.concurrency:
+        rows.append({"engine": "transformers-sequential", "concurrency": c, "output_tok_s": seq_rate,
+                     "ms_per_output_token": 1e3 / seq_rate, "peak_gpu_gib": seq_peak})
+        if c > args.hf_static_max:
+            continue
+        reset_peak(args.device)
+        wall = hf_generate(model, prompts_for(c, args.prompt_len, vocab), args.output_len, args.device)
+        rows.append({"engine": "transformers-static-batch", "concurrency": c,
+                     "output_tok_s": c * args.output_len / wall, "ms_per_output_token": wall / args.output_len * 1e3,
+                     "wall_s": wall, "peak_gpu_gib": peak_gib(args.device)})
+        print(f"hf static batch C={c:4d}: {c * args.output_len / wall:10.1f} tok/s", flush=True)
+    return rows
+
+
+def with_ratios(rows: list[dict]) -> list[dict]:
+    by = {(r["engine"], r["concurrency"]): r for r in rows}
+    for r in rows:
+        if r["engine"] != "pagedserve":
+            continue
+        c = r["concurrency"]
+        for base, key in (("transformers-sequential", "x_vs_hf_sequential"),
+                          ("transformers-static-batch", "x_vs_hf_static")):
+            if (base, c) in by:
+                r[key] = r["output_tok_s"] / by[(base, c)]["output_tok_s"]
+    return rows
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for engine in ("pagedserve", "transformers-static-batch", "transformers-sequential"):
+        pts = sorted((r["concurrency"], r["output_tok_s"]) for r in rows if r["engine"] == engine)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=engine)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.shape:
+        model_dir, load_format, label = shape_dir(args.shape), "dummy", args.shape
+    else:
+        from pagedserve.default_model import default_model_dir
+        model_dir = Path(args.model) if args.model else default_model_dir()
+        load_format, label = "auto", model_dir.name
+    dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    rows, vocab = run_pagedserve(args, model_dir, load_format, dtype_name)
+    if not args.no_hf:
+        rows += run_transformers(args, model_dir, load_format, getattr(torch, dtype_name), vocab)
+    rows = with_ratios(rows)
+    name = args.name or f"throughput_{args.device.split(':')[0]}_{label}".replace("/", "_").replace(".", "_")
+    cols = ["engine", "concurrency", "output_tok_s", "ms_per_output_token", "peak_gpu_gib", "x_vs_hf_sequential",
+            "x_vs_hf_static"]
+    table = markdown_table(sorted(rows, key=lambda r: (r["engine"], r["concurrency"])), cols)
+    print(table)
+    title = (f"{label} ({dtype_name}, {args.device}): prompt {args.prompt_len}, "
+             f"output {args.output_len} tokens, ignore_eos")
+    path = save(name, {"model": label, "dtype": dtype_name, "device": args.device, "prompt_len": args.prompt_len,
+                       "output_len": args.output_len, "rows": rows}, f"## {title}\n\n{table}", args.out)
+    if args.plot:
+        plot(rows, path.with_suffix(".png"), title)
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+// Gated activations of the MLP.
+#include "ops/dispatch.h"
+#include "ops/float_types.h"
+#include "ops/op_checks.h"
+#include "ops/ops.h"
+#include "ops/parallel.h"
+#include "ops/vec_math.h"
+
+namespace pagedserve::ops {
+namespace {
+
+// silu(gate) is rounded to T before the product, as torch computes
+// F.silu(gate) * up in the model dtype (HF's LlamaMLP).
+template <typename T>
+void silu_and_mul_row(T* out, const T* gate, const T* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = from_float<T>(round_to<T>(silu(to_float(gate[i]))) * to_float(up[i]));
+}
+
+}  // namespace
+
+void silu_and_mul(const TensorView& out, const TensorView& x) {
+  constexpr std::string_view op = "silu_and_mul";
+  require_cpu_float(op, "x", x, 2);
+  require_cpu_float(op, "out", out, 2);
+  require_same_dtype(op, "out", out, x);
+  require(x.size(1) % 2 == 0, op, "x's last dim must be even (gate and up halves), got " + x.describe());
+  const int64_t rows = x.size(0);
+  const int64_t width = x.size(1) / 2;
+  require_size(op, "out", out, 0, rows);
+  require_size(op, "out", out, 1, width);
+  dispatch_float(x.dtype, op, [&]<typename T>() {
+    parallel_for_range(rows, 8 * width, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const T* gate = x.ptr<T>() + row * 2 * width;
+        silu_and_mul_row(out.ptr<T>() + row * width, gate, gate + width, width);
+      }
+    });
+  });
+}
+
+}  // namespace pagedserve::ops

@@ -1,0 +1,114 @@
+// RMSNorm, plain and fused with the residual add.
+//
+// Rounding follows HF transformers' LlamaRMSNorm so a reduced-precision model
+// matches it bit for bit: the normalized value is rounded to the model dtype
+// before the weight multiply, and the fused variant normalizes the residual
+// as stored (rounded), not the float sum.
+#include <cmath>
+
+#include "ops/dispatch.h"
+#include "ops/float_types.h"
+#include "ops/op_checks.h"
+#include "ops/ops.h"
+#include "ops/parallel.h"
+#include "ops/vec_math.h"
+
+namespace pagedserve::ops {
+namespace {
+
+template <typename T>
+float sum_of_squares(const T* x, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const float v = to_float(x[i + k]);
+      lanes[k] += v * v;
+    }
+  }
+  for (; i < n; ++i) {
+    const float v = to_float(x[i]);
+    lanes[0] += v * v;
+  }
+  return sum_lanes(lanes);
+}
+
+float inverse_rms(float sum_of_squares, int64_t n, float eps) {
+  return 1.0f / std::sqrt(sum_of_squares / static_cast<float>(n) + eps);
+}
+
+// out may alias x: each element is read before it is written.
+template <typename T>
+void normalize_row(T* out, const T* x, const T* weight, int64_t n, float inv_rms) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = from_float<T>(round_to<T>(to_float(x[i]) * inv_rms) * to_float(weight[i]));
+  }
+}
+
+// residual += x, stored in T; returns the sum of squares of the stored values.
+template <typename T>
+float add_residual_row(T* residual, const T* x, int64_t n) {
+  float lanes[kLanes] = {};
+  const auto add_one = [&](int64_t i, int lane) {
+    const T sum = from_float<T>(to_float(residual[i]) + to_float(x[i]));
+    residual[i] = sum;
+    const float stored = to_float(sum);
+    lanes[lane] += stored * stored;
+  };
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) add_one(i + k, k);
+  }
+  for (; i < n; ++i) add_one(i, 0);
+  return sum_lanes(lanes);
+}
+
+void check_norm_args(std::string_view op, std::string_view out_name, const TensorView& out, const TensorView& x,
+                     const TensorView& weight) {
+  require_cpu_float(op, "x", x, 2);
+  require_cpu_float(op, out_name, out, 2);
+  require_cpu_float(op, "weight", weight, 1);
+  require_same_dtype(op, out_name, out, x);
+  require_same_dtype(op, "weight", weight, x);
+  require_size(op, out_name, out, 0, x.size(0));
+  require_size(op, out_name, out, 1, x.size(1));
+  require_size(op, "weight", weight, 0, x.size(1));
+  require(x.size(1) > 0, op, "x must have a non-empty last dim, got " + x.describe());
+}
+
+}  // namespace
+
+void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps) {
+  check_norm_args("rms_norm", "out", out, x, weight);
+  const int64_t rows = x.size(0);
+  const int64_t hidden = x.size(1);
+  dispatch_float(x.dtype, "rms_norm", [&]<typename T>() {
+    const T* w = weight.ptr<T>();
+    parallel_for_range(rows, hidden, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const T* x_row = x.ptr<T>() + row * hidden;
+        const float inv_rms = inverse_rms(sum_of_squares(x_row, hidden), hidden, eps);
+        normalize_row(out.ptr<T>() + row * hidden, x_row, w, hidden, inv_rms);
+      }
+    });
+  });
+}
+
+void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight, float eps) {
+  check_norm_args("fused_add_rms_norm", "residual", residual, x, weight);
+  const int64_t rows = x.size(0);
+  const int64_t hidden = x.size(1);
+  dispatch_float(x.dtype, "fused_add_rms_norm", [&]<typename T>() {
+    const T* w = weight.ptr<T>();
+    parallel_for_range(rows, 2 * hidden, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        T* x_row = x.ptr<T>() + row * hidden;
+        T* residual_row = residual.ptr<T>() + row * hidden;
+        const float inv_rms = inverse_rms(add_residual_row(residual_row, x_row, hidden), hidden, eps);
+        normalize_row(x_row, residual_row, w, hidden, inv_rms);
+      }
+    });
+  });
+}
+
+}  // namespace pagedserve::ops

@@ -1,0 +1,155 @@
+"""The engine's kernels, as the model code calls them.
+
+Every function takes torch tensors, converts them to DLPack capsules (no copy)
+and calls the kernel for the tensors' device; `_backend` is the one place that
+choice is made. All argument checking happens in C++, which raises ValueError
+naming the op and the argument (bad dtype, shape, stride or device).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+from torch.utils.dlpack import to_dlpack as _dl
+
+from pagedserve import _core
+
+_cpu_ops = _core.ops
+
+__all__ = [
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rope_cos_sin_cache",
+    "rotary_embedding",
+    "silu_and_mul",
+    "reshape_and_cache",
+    "copy_blocks",
+    "paged_attention",
+    "set_num_threads",
+    "num_threads",
+]
+
+
+def _backend(tensor: torch.Tensor):
+    """The kernel module for tensors on `tensor`'s device."""
+    if tensor.is_cpu:
+        return _cpu_ops
+    raise ValueError(f"pagedserve.ops: no kernels for tensors on {tensor.device} (this build has CPU ops only)")
+
+
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """out = x / sqrt(mean(x^2, -1) + eps) * weight.  x, out: [T, H]; weight: [H]."""
+    _backend(x).rms_norm(_dl(out), _dl(x), _dl(weight), eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual += x; x = rms_norm(residual) * weight."""
+    _backend(x).fused_add_rms_norm(_dl(x), _dl(residual), _dl(weight), eps)
+
+
+def _llama3_scaling(scaling: Optional[Mapping[str, Any]]) -> Optional[dict]:
+    """The llama3 parameters of an HF rope_scaling / rope_parameters dict, or None for plain rope."""
+    if not scaling:
+        return None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ValueError(f"rope_cos_sin_cache: rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+               if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_cos_sin_cache: llama3 scaling is missing {missing}")
+    return dict(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def rope_cos_sin_cache(
+    max_position: int,
+    rotary_dim: int,
+    theta: float,
+    scaling: Optional[Mapping[str, Any]] = None,
+    device: Optional[torch.device | str] = None,
+) -> torch.Tensor:
+    """The float32 [max_position, rotary_dim] table [cos | sin] of each position's rotary angles.
+
+    scaling: HF's rope_scaling / rope_parameters dict. rope_type 'llama3' (factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings) rescales the frequencies; None or 'default' does not.
+    """
+    table = torch.empty((max_position, rotary_dim), dtype=torch.float32)
+    params = _llama3_scaling(scaling) or {}
+    _cpu_ops.rope_cos_sin_cache(_dl(table), float(theta), **params)
+    return table if device is None else table.to(device)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> None:
+    """In place NeoX-style rope.  positions: [T] int32; query: [T, Hq, D]; key: [T, Hkv, D]."""
+    _backend(query).rotary_embedding(_dl(positions), _dl(query), _dl(key), _dl(cos_sin_cache))
+
+
+def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
+    """out = silu(x[:, :I]) * x[:, I:].  x: [T, 2I]; out: [T, I]."""
+    _backend(x).silu_and_mul(_dl(out), _dl(x))
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes key/value [T, Hkv, D] into the caches [N, Hkv, B, D] at slot_mapping [T] (-1: skip)."""
+    _backend(key).reshape_and_cache(_dl(key), _dl(value), _dl(key_cache), _dl(value_cache), _dl(slot_mapping))
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_copies: torch.Tensor) -> None:
+    """For each (src, dst) row of block_copies [C, 2], in order: every layer's block dst = block src."""
+    _backend(kv_cache).copy_blocks(_dl(kv_cache), _dl(block_copies))
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    num_decodes: int = 0,
+    workspace: Optional[torch.Tensor] = None,
+) -> None:
+    """Causal attention of each sequence's queries over its paged context (see cpp/ops/ops.h).
+
+    max_query_len, max_seq_len and num_decodes are host-side launch bounds for the CUDA kernels and
+    workspace their split-K scratch; the CPU kernel needs none of them.
+    """
+    _backend(query).paged_attention(
+        _dl(out),
+        _dl(query),
+        _dl(key_cache),
+        _dl(value_cache),
+        _dl(block_tables),
+        _dl(query_start_loc),
+        _dl(seq_lens),
+        scale,
+    )
+
+
+def set_num_threads(num_threads: int) -> None:
+    """Threads the CPU ops may use, the calling thread included."""
+    _cpu_ops.set_num_threads(num_threads)
+
+
+def num_threads() -> int:
+    return _cpu_ops.num_threads()

