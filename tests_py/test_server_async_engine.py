@@ -178,6 +178,23 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_serving_goes_on():
     assert engine.requests == {}
 
 
+def test_a_dead_loop_fails_its_requests_and_reports_itself():
+    engine = FakeEngine(step_seconds=0.002)
+
+    async def body(async_engine):
+        stream = await async_engine.generate([prompt("abc")], params(50), "orphan")
+        engine.stats = None  # the loop's next publish raises TypeError: a bug in the loop, not in a step
+        with pytest.raises(EngineStepError, match="loop died"):
+            await asyncio.wait_for(collect(stream), 5)
+        await asyncio.to_thread(async_engine._loop_thread.join, 5)
+        assert async_engine.failed and not async_engine.ready
+        with pytest.raises(EngineUnavailable, match="stopped"):
+            await async_engine.generate([prompt("x")], params(2), "after")
+
+    run(engine, body)
+    assert engine.requests == {}
+
+
 def test_shutdown_aborts_streams_in_flight_and_refuses_new_requests():
     engine = FakeEngine(step_seconds=0.01)
 

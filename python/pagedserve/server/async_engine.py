@@ -93,6 +93,11 @@ class AsyncEngine:
         return self._loop_thread is not None and self._loop_thread.is_alive() and not self._stopping
 
     @property
+    def failed(self) -> bool:
+        """The loop thread died (a bug, not a failed step): nothing will be served."""
+        return self._loop_thread is not None and not self._loop_thread.is_alive() and not self._stopping
+
+    @property
     def stopping(self) -> bool:
         return self._stopping
 

@@ -34,6 +34,8 @@ class ServerContext:
             raise service_unavailable(f"the model failed to load: {self.load_error}", "model_load_failed")
         if self.async_engine.stopping:
             raise service_unavailable("the server is shutting down", "shutting_down")
+        if self.async_engine.failed:
+            raise service_unavailable("the engine loop stopped; see the server log", "engine_failed")
         if not self.async_engine.ready or self.limits is None:
             raise service_unavailable("the model is still loading", "model_loading")
 

@@ -69,10 +69,9 @@ class EngineLoop(threading.Thread):
         try:
             while self._serve_once():
                 pass
-        except BaseException:  # a bug in the loop itself: fail everything rather than hang clients
+        except Exception:  # a bug in the loop itself: fail everything rather than hang clients
             logger.exception("the engine loop died")
             self._fail_everything(EngineStepError("the engine loop died"))
-            raise
         finally:
             self._refuse_remaining_commands()
 

@@ -29,6 +29,8 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
             return JSONResponse({"status": "failed", "error": ctx.load_error}, status_code=503)
         if ctx.async_engine.stopping:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
+        if ctx.async_engine.failed:
+            return JSONResponse({"status": "failed", "error": "the engine loop stopped"}, status_code=503)
         if not ctx.async_engine.ready or ctx.limits is None:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
