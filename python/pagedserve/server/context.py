@@ -10,7 +10,7 @@ from typing import Optional
 
 from pagedserve.server.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable, OutputStream
 from pagedserve.server.engine_inputs import EngineLimits
-from pagedserve.server.errors import APIError, bad_request, model_not_found, service_unavailable
+from pagedserve.server.errors import bad_request, model_not_found, service_unavailable
 from pagedserve.server.metrics import ServerMetrics
 
 
@@ -57,9 +57,6 @@ class ServerContext:
         except (ValueError, TypeError) as err:
             self._rejected("invalid")
             raise bad_request(str(err)) from err
-
-    def rejected(self, err: APIError) -> None:
-        self._rejected("invalid" if err.status < 500 else "unavailable")
 
     def _rejected(self, reason: str) -> None:
         if self.metrics is not None:

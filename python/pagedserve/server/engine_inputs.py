@@ -28,6 +28,11 @@ class EngineLimits:
     vocab_size: int
 
 
+def require_tokenizer(tokenizer, what: str) -> None:
+    if tokenizer is None:
+        raise bad_request(f"this model has no tokenizer, so {what} cannot be used: send prompts as token ids")
+
+
 def completion_prompts(body: CompletionRequest, tokenizer) -> list[dict]:
     """The prompts of a completions body (a string, strings, token ids or lists of them) as
     engine prompt dicts {"prompt": text | None, "prompt_token_ids": [...]}, in order."""
@@ -46,6 +51,7 @@ def completion_prompts(body: CompletionRequest, tokenizer) -> list[dict]:
         if isinstance(item, str):
             if not item:
                 raise bad_request(f"'{where}' is an empty string", "prompt")
+            require_tokenizer(tokenizer, "text prompts")
             prompts.append({"prompt": item, "prompt_token_ids": encode_prompt(tokenizer, item)})
         else:
             if not item:
@@ -60,6 +66,7 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer) -> dict:
 
     if not body.messages:
         raise bad_request("'messages' is empty: send at least one message", "messages")
+    require_tokenizer(tokenizer, "chat messages")
     messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
     try:
         ids = apply_chat_template(tokenizer, messages, add_generation_prompt=body.add_generation_prompt)

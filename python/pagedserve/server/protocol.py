@@ -68,11 +68,6 @@ class CompletionRequest(SamplingFields):
     best_of: Optional[int] = Field(None, ge=1)
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[dict]]] = None

@@ -9,7 +9,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from pagedserve.server.context import ServerContext
-from pagedserve.server.engine_inputs import message_dict
+from pagedserve.server.engine_inputs import message_dict, require_tokenizer
 from pagedserve.server.engine_state import read_engine_state
 from pagedserve.server.errors import bad_request
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST
@@ -63,6 +63,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        require_tokenizer(ctx.tokenizer, "/detokenize")
         return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})
 
     @router.get("/metrics")
@@ -91,6 +92,7 @@ def _tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict:
 
     ctx.require_ready()
     ctx.check_model(body.model)
+    require_tokenizer(ctx.tokenizer, "/tokenize")
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of 'prompt' and 'messages'")
     if body.prompt is not None:
