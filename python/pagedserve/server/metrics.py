@@ -87,7 +87,8 @@ class ServerMetrics:
                                          registry=reg).labels(model_name)
         self._request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
                                         labels + ["finished_reason"], registry=reg)
-        self._rejected = Counter(PREFIX + "num_requests_rejected", "Requests refused at submission: queue full, not serving, or refused by the engine.",
+        self._rejected = Counter(PREFIX + "num_requests_rejected",
+                                 "Requests refused at submission (queue full, not serving, refused by the engine).",
                                  labels + ["reason"], registry=reg)
         reg.register(_EngineGauges(model_name, read_stats))
         # Output tokens so far per request and sample, for time per output token (loop thread only).
