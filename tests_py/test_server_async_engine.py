@@ -178,6 +178,24 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_serving_goes_on():
     assert engine.requests == {}
 
 
+def test_an_unexpected_error_in_add_request_fails_that_request_only():
+    engine = FakeEngine()
+    real_add = engine.add_request
+
+    def add_request(request_id, prompt_dict, request_params, arrival_time=None):
+        if request_id == "cursed":
+            raise RuntimeError("Overflow when unpacking long")
+        real_add(request_id, prompt_dict, request_params, arrival_time)
+    engine.add_request = add_request
+
+    async def body(async_engine):
+        with pytest.raises(EngineStepError, match="Overflow"):
+            await async_engine.generate([prompt("abc")], params(3), "cursed")
+        return await collect(await async_engine.generate([prompt("abc")], params(3), "fine"))
+
+    assert run(engine, body) == {(0, 0): (expected_text(3, 0, 3), "length")}
+
+
 def test_a_dead_loop_fails_its_requests_and_reports_itself():
     engine = FakeEngine(step_seconds=0.002)
 
@@ -216,21 +234,28 @@ def test_shutdown_aborts_streams_in_flight_and_refuses_new_requests():
 
 
 def test_metrics_count_tokens_and_finished_requests():
-    engine = FakeEngine()
-    holder = {}
+    engine = FakeEngine(step_seconds=0.002)
 
     async def body(async_engine):
-        holder["metrics"] = metrics
         for i, (text, max_tokens) in enumerate((("abcd", 5), ("xy", 3))):
-            await collect(await async_engine.generate([prompt(text)], params(max_tokens), f"m{i}"))
-        await async_engine.read(lambda engine, loop: None)
+            await collect(await async_engine.generate([prompt(text)], params(max_tokens, n=2), f"m{i}"))
+        stream = await async_engine.generate([prompt("abc")], params(40), "left")
+        async for _ in stream:
+            break
+        stream.close()
+        await async_engine.read(lambda engine, loop: None)  # the abort has been applied
         return metrics.render().decode()
 
-    stats_box = {}
-    metrics = ServerMetrics("fake", lambda: stats_box.get("stats"))
+    metrics = ServerMetrics("fake", lambda: None)
     text = run(engine, body, metrics=metrics)
-    assert 'pagedserve:prompt_tokens_total{model_name="fake"} 6.0' in text
-    assert 'pagedserve:generation_tokens_total{model_name="fake"} 8.0' in text
-    assert 'pagedserve:request_success_total{finished_reason="length",model_name="fake"} 2.0' in text
-    assert 'pagedserve:time_to_first_token_seconds_count{model_name="fake"} 2.0' in text
-    assert 'pagedserve:time_per_output_token_seconds_count{model_name="fake"} 2.0' in text
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    label = '{model_name="fake"}'
+    assert samples["pagedserve:prompt_tokens_total" + label] == 4 + 2 + 3
+    assert samples["pagedserve:generation_tokens_total" + label] >= 2 * (5 + 3) + 1
+    assert samples['pagedserve:request_success_total{finished_reason="length",model_name="fake"}'] == 2
+    assert samples['pagedserve:request_success_total{finished_reason="abort",model_name="fake"}'] == 1
+    # latencies describe the two completed requests only
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert samples[f"pagedserve:{name}_count" + label] == 2
+    assert samples["pagedserve:e2e_request_latency_seconds_sum" + label] > 0

@@ -97,6 +97,15 @@ class EngineLoop(threading.Thread):
                 return commands
 
     def _apply(self, command) -> None:
+        try:
+            self._apply_one(command)
+        except Exception as err:  # an engine bug on one command must not stop the loop for everyone
+            logger.exception("engine command %s failed", type(command).__name__)
+            future = getattr(command, "accepted", None) or getattr(command, "done", None)
+            if future is not None:
+                self._resolve(future, EngineStepError(f"the engine failed: {type(err).__name__}: {err}"))
+
+    def _apply_one(self, command) -> None:
         if isinstance(command, AddCommand):
             self._add(command)
         elif isinstance(command, AbortCommand):

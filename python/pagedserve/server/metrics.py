@@ -62,6 +62,23 @@ class _EngineGauges:
         yield c
 
 
+class _RequestTally:
+    """Output tokens and finish reasons of one request's samples, as its deltas pass."""
+
+    def __init__(self) -> None:
+        self.lengths: dict[int, int] = {}
+        self.reasons: dict[int, str] = {}
+
+    def add(self, c) -> None:
+        self.lengths[c.index] = self.lengths.get(c.index, 0) + len(c.token_ids)
+        if c.finish_reason:
+            self.reasons[c.index] = c.finish_reason
+
+    def finish_reason(self) -> str:
+        distinct = set(self.reasons.values())
+        return distinct.pop() if len(distinct) == 1 else "mixed"
+
+
 class ServerMetrics:
     """All server metrics. Implements the engine loop's StepObserver."""
 
@@ -91,24 +108,23 @@ class ServerMetrics:
                                  "Requests refused at submission (queue full, not serving, refused by the engine).",
                                  labels + ["reason"], registry=reg)
         reg.register(_EngineGauges(model_name, read_stats))
-        # Output tokens so far per request and sample, for time per output token (loop thread only).
-        self._output_lengths: dict[str, dict[int, int]] = {}
+        self._in_flight: dict[str, _RequestTally] = {}  # loop thread only
 
     # ------------------------------------------------------------------ StepObserver (loop thread)
     def on_request_added(self, request_id: str, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
-        self._output_lengths[request_id] = {}
+        self._in_flight[request_id] = _RequestTally()
 
     def on_outputs(self, outputs: list) -> None:
         new_tokens = 0
         for out in outputs:
-            lengths = self._output_lengths.get(out.request_id)
+            tally = self._in_flight.get(out.request_id)
             for c in out.outputs:
                 new_tokens += len(c.token_ids)
-                if lengths is not None:
-                    lengths[c.index] = lengths.get(c.index, 0) + len(c.token_ids)
+                if tally is not None:
+                    tally.add(c)
             if out.finished:
-                self._observe_finished(out)
+                self._observe_finished(out, self._in_flight.pop(out.request_id, None) or _RequestTally())
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
 
@@ -117,21 +133,21 @@ class ServerMetrics:
 
     def on_requests_dropped(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            self._output_lengths.pop(rid, None)
+            self._in_flight.pop(rid, None)
 
-    def _observe_finished(self, out) -> None:
+    def _observe_finished(self, out, tally: "_RequestTally") -> None:
+        reason = tally.finish_reason()
+        self._request_success.labels(self.model_name, reason).inc()
+        if reason == "abort":
+            return  # cut short: its latencies describe the client, not the server
         m = out.metrics
-        lengths = self._output_lengths.pop(out.request_id, None) or {}
         if m.first_token_time is not None:
             self.time_to_first_token.observe(max(m.first_token_time - m.arrival_time, 0.0))
         if m.finished_time is not None:
             self.e2e_request_latency.observe(max(m.finished_time - m.arrival_time, 0.0))
-        longest = max(lengths.values(), default=0)
+        longest = max(tally.lengths.values(), default=0)
         if longest > 1 and m.first_token_time is not None and m.last_token_time is not None:
             self.time_per_output_token.observe((m.last_token_time - m.first_token_time) / (longest - 1))
-        reasons = {c.finish_reason for c in out.outputs if c.finish_reason}
-        reason = reasons.pop() if len(reasons) == 1 else "mixed"
-        self._request_success.labels(self.model_name, reason).inc()
 
     # ------------------------------------------------------------------ other events (event loop thread)
     def on_rejected(self, reason: str) -> None:

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 # The OpenAI API caps top_logprobs at 20; the engine's max_logprobs may be lower.
 MAX_TOP_LOGPROBS = 20
+# The seeds a torch.Generator accepts.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class _Body(BaseModel):
@@ -36,7 +38,7 @@ class SamplingFields(_Body):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None
