@@ -13,6 +13,8 @@ import pytest
 
 from fake_engine import FakeEngine, expected_text
 from pagedserve.server.async_engine import AsyncEngine, EngineOverloaded, EngineStepError, EngineUnavailable
+from pagedserve.server.engine_commands import AddCommand, StopCommand, WaitingCount
+from pagedserve.server.engine_loop import EngineLoop
 from pagedserve.server.engine_state import read_engine_state
 from pagedserve.server.metrics import ServerMetrics
 
@@ -230,6 +232,38 @@ def test_shutdown_aborts_streams_in_flight_and_refuses_new_requests():
         assert set(got) == {(0, 0), (0, 1)}
         for text, reason in got.values():
             assert reason == "abort" and 0 < len(text) < 50
+    assert engine.requests == {}
+
+
+def test_adds_queued_behind_a_stop_are_refused_not_lost():
+    engine = FakeEngine()
+
+    class Router:
+        delivered: list = []
+
+        def deliver(self, outputs):
+            self.delivered.extend(outputs)
+
+        def fail(self, request_ids, error):
+            raise AssertionError("nothing should fail")
+
+    async def main():
+        event_loop = asyncio.get_running_loop()
+        loop = EngineLoop(engine, event_loop, Router(), WaitingCount())
+        before, after = event_loop.create_future(), event_loop.create_future()
+        # all three are taken in one batch once the thread starts
+        loop.submit(AddCommand("before", prompt("abc"), params(5), 0.0, before))
+        loop.submit(StopCommand())
+        loop.submit(AddCommand("after", prompt("abc"), params(5), 0.0, after))
+        loop.start()
+        await asyncio.wait_for(before, 5)
+        with pytest.raises(EngineUnavailable):
+            await asyncio.wait_for(after, 5)
+        await asyncio.to_thread(loop.join, 5)
+        await asyncio.sleep(0)  # let the loop's last deliveries run
+        return [(o.request_id, o.outputs[0].finish_reason) for o in Router.delivered]
+
+    assert asyncio.run(main()) == [("before", "abort")]
     assert engine.requests == {}
 
 

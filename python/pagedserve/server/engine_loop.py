@@ -77,9 +77,11 @@ class EngineLoop(threading.Thread):
 
     def _serve_once(self) -> bool:
         idle = not self.engine.has_unfinished_requests()
-        for command in self._take_commands(block=idle):
+        commands = self._take_commands(block=idle)
+        for i, command in enumerate(commands):
             if isinstance(command, StopCommand):
                 self._abort(list(self.engine.requests))
+                self._refuse(commands[i + 1:])
                 self._publish()
                 return False
             self._apply(command)
@@ -192,15 +194,18 @@ class EngineLoop(threading.Thread):
                 self._observer.on_requests_dropped(ids)
 
     def _refuse_remaining_commands(self) -> None:
+        self._refuse(self._take_commands(block=False))
+        self._waiting.publish(self._applied_adds, 0)
+        self._applied_adds = 0
+
+    def _refuse(self, commands: list) -> None:
         gone = EngineUnavailable("the server is shutting down")
-        for command in self._take_commands(block=False):
+        for command in commands:
             if isinstance(command, AddCommand):
                 self._applied_adds += 1
                 self._resolve(command.accepted, gone)
             elif isinstance(command, SnapshotCommand):
                 self._resolve(command.done, gone)
-        self._waiting.publish(self._applied_adds, 0)
-        self._applied_adds = 0
 
     # ------------------------------------------------------------------ crossing to the event loop
     def _resolve(self, future: asyncio.Future, error: Optional[BaseException], value: Any = None) -> None:
