@@ -89,19 +89,29 @@ def start_loading(ctx: ServerContext, build_engine: Callable[[], object], loop: 
         try:
             engine = build_engine()
         except BaseException as err:  # report it on /health and exit, rather than hang
-            logger.exception("the model failed to load")
+            if isinstance(err, ValueError):  # a bad option or path: the message says it all
+                print(f"pagedserve: error: the model failed to load: {err}", file=sys.stderr, flush=True)
+            else:
+                logger.exception("the model failed to load")
             ctx.load_error = f"{type(err).__name__}: {err}"
-            loop.call_soon_threadsafe(on_failure)
+            _call_in_loop(loop, on_failure)
             return
 
         def attach() -> None:
             attach_engine(ctx, engine, loop)
             on_ready()
-        loop.call_soon_threadsafe(attach)
+        _call_in_loop(loop, attach)
 
     thread = threading.Thread(target=load, name="pagedserve-model-loader", daemon=True)
     thread.start()
     return thread
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # the server stopped while the model loaded: nothing is waiting for it
+        pass
 
 
 class GracefulServer(uvicorn.Server):
