@@ -209,7 +209,8 @@ async def bench(args: argparse.Namespace, url: str) -> dict:
               "num_kv_blocks": state.get("stats", {}).get("num_blocks")}
     config = {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
               "rates": ["inf" if math.isinf(r) else r for r in args.rates], "seed": args.seed,
-              "max_concurrency": args.max_concurrency, "serve_args": args.serve_args if args.launch else None}
+              "max_concurrency": args.max_concurrency, "serve_args": args.serve_args if args.launch else None,
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     return {"server": server, "config": config, "results": rows}
 
 
