@@ -31,21 +31,34 @@ __all__ = [
 ]
 
 
-def _backend(tensor: torch.Tensor):
-    """The kernel module for tensors on `tensor`'s device."""
+_NO_TAIL: tuple = ()
+
+
+def _backend(tensor: torch.Tensor) -> tuple[Any, tuple]:
+    """The kernel module for tensors on `tensor`'s device, and the trailing
+    arguments its functions take: none on the CPU, the caller's current CUDA
+    stream on a GPU (kernels run on it, so they order with torch's work and
+    are captured by CUDA graphs)."""
     if tensor.is_cpu:
-        return _cpu_ops
-    raise ValueError(f"pagedserve.ops: no kernels for tensors on {tensor.device} (this build has CPU ops only)")
+        return _cpu_ops, _NO_TAIL
+    if tensor.is_cuda:
+        if not _core.has_cuda:
+            raise ValueError("pagedserve.ops: CUDA tensors need the extension built with USE_CUDA=ON "
+                             "(pip install -C cmake.define.USE_CUDA=ON .)")
+        return _core.cuda_ops, (torch.cuda.current_stream(tensor.device).cuda_stream,)
+    raise ValueError(f"pagedserve.ops: no kernels for tensors on {tensor.device}")
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """out = x / sqrt(mean(x^2, -1) + eps) * weight.  x, out: [T, H]; weight: [H]."""
-    _backend(x).rms_norm(_dl(out), _dl(x), _dl(weight), eps)
+    backend, tail = _backend(x)
+    backend.rms_norm(_dl(out), _dl(x), _dl(weight), eps, *tail)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place: residual += x; x = rms_norm(residual) * weight."""
-    _backend(x).fused_add_rms_norm(_dl(x), _dl(residual), _dl(weight), eps)
+    backend, tail = _backend(x)
+    backend.fused_add_rms_norm(_dl(x), _dl(residual), _dl(weight), eps, *tail)
 
 
 def _llama3_scaling(scaling: Optional[Mapping[str, Any]]) -> Optional[dict]:
@@ -91,12 +104,14 @@ def rotary_embedding(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
     """In place NeoX-style rope.  positions: [T] int32; query: [T, Hq, D]; key: [T, Hkv, D]."""
-    _backend(query).rotary_embedding(_dl(positions), _dl(query), _dl(key), _dl(cos_sin_cache))
+    backend, tail = _backend(query)
+    backend.rotary_embedding(_dl(positions), _dl(query), _dl(key), _dl(cos_sin_cache), *tail)
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """out = silu(x[:, :I]) * x[:, I:].  x: [T, 2I]; out: [T, I]."""
-    _backend(x).silu_and_mul(_dl(out), _dl(x))
+    backend, tail = _backend(x)
+    backend.silu_and_mul(_dl(out), _dl(x), *tail)
 
 
 def reshape_and_cache(
@@ -107,12 +122,14 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Writes key/value [T, Hkv, D] into the caches [N, Hkv, B, D] at slot_mapping [T] (-1: skip)."""
-    _backend(key).reshape_and_cache(_dl(key), _dl(value), _dl(key_cache), _dl(value_cache), _dl(slot_mapping))
+    backend, tail = _backend(key)
+    backend.reshape_and_cache(_dl(key), _dl(value), _dl(key_cache), _dl(value_cache), _dl(slot_mapping), *tail)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_copies: torch.Tensor) -> None:
     """For each (src, dst) row of block_copies [C, 2], in order: every layer's block dst = block src."""
-    _backend(kv_cache).copy_blocks(_dl(kv_cache), _dl(block_copies))
+    backend, tail = _backend(kv_cache)
+    backend.copy_blocks(_dl(kv_cache), _dl(block_copies), *tail)
 
 
 def paged_attention(
@@ -134,16 +151,23 @@ def paged_attention(
     max_query_len, max_seq_len and num_decodes are host-side launch bounds for the CUDA kernels and
     workspace their split-K scratch; the CPU kernel needs none of them.
     """
-    _backend(query).paged_attention(
-        _dl(out),
-        _dl(query),
-        _dl(key_cache),
-        _dl(value_cache),
-        _dl(block_tables),
-        _dl(query_start_loc),
-        _dl(seq_lens),
-        scale,
-    )
+    args = (_dl(out), _dl(query), _dl(key_cache), _dl(value_cache), _dl(block_tables), _dl(query_start_loc),
+            _dl(seq_lens), scale)
+    if query.is_cpu:
+        _cpu_ops.paged_attention(*args)
+        return
+    backend, tail = _backend(query)
+    backend.paged_attention(*args, max_query_len, max_seq_len, num_decodes,
+                            None if workspace is None else _dl(workspace), *tail)
+
+
+def paged_attention_workspace(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int,
+                              device: torch.device) -> Optional[torch.Tensor]:
+    """The split-K scratch the CUDA decode kernel needs (allocated once by the runner); None on the CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    nbytes = _core.cuda_ops.paged_attention_workspace_bytes(num_seqs, num_heads, head_dim, max_seq_len)
+    return torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=device)
 
 
 def set_num_threads(num_threads: int) -> None:

@@ -1,0 +1,327 @@
+"""Kernel benchmark of pagedserve's CUDA ops, against the device's own ceilings.
+
+Measures in one run, on one GPU:
+  * device-to-device copy bandwidth (bytes read + written by a 2 GiB torch copy);
+  * the bf16 matmul rate (8192^3 torch.matmul on random data);
+  * the decode attention kernel (64 rows x 4096 tokens, 32 q / 8 kv heads,
+    D 128, bf16: achieved GB/s and % of the copy bandwidth; target >= 70 %)
+    and a batch x context sweep;
+  * the prefill kernel (one causal prompt of 4096 tokens, 32 / 8 heads, D 128,
+    bf16: TFLOP/s and % of the matmul rate, FLOPs = 4 * S^2 / 2 * D * Hq;
+    target >= 25 %), also at 1024 and 2048 tokens;
+  * the small fused ops at TinyLlama-1.1B shapes (hidden 2048, 32 / 4 heads,
+    D 64, intermediate 5632) against the equivalent eager torch code.
+
+Every time is the median over repeated replays of a CUDA graph holding many
+launches (so host overhead is out), with inputs rotated across buffers larger
+than L2 where the data would otherwise stay cached. Results are printed and
+saved as JSON and markdown under --out.
+
+    python bench/kernel_bench.py [--out bench/results] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.dlpack import to_dlpack
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+from pagedserve import _core
+
+DECODE_TARGET = 0.70  # of the copy bandwidth
+PREFILL_TARGET = 0.25  # of the bf16 matmul rate
+ROTATE_BYTES = 512 << 20  # rotate inputs over at least this much memory (H100/H200 L2: 50-60 MB)
+
+
+def cuda_op(name, *args):
+    args = [to_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args]
+    getattr(_core.cuda_ops, name)(*args, torch.cuda.current_stream().cuda_stream)
+
+
+def time_per_call_ms(calls, rounds: int, repeat: int) -> float:
+    """Median milliseconds per call: `calls` (each run once per round) captured in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (module loading, allocator) outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for call in calls:
+                call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeat):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples) / (rounds * len(calls))
+
+
+# ---------------------------------------------------------------------------
+# Ceilings
+
+
+def copy_bandwidth_gbs(args) -> float:
+    n = (2 << 30) // 4
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_per_call_ms([lambda: dst.copy_(src)], rounds=3, repeat=args.repeat)
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops(args) -> float:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_per_call_ms([lambda: torch.matmul(a, b)], rounds=3, repeat=args.repeat)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+# ---------------------------------------------------------------------------
+# Attention
+
+
+class PagedProblem:
+    """Rows of one query token (decode) or one long prompt (prefill) over a paged bf16 cache.
+
+    `copies` disjoint block-table variants cover different regions of the pool,
+    so consecutive launches do not find their keys in L2.
+    """
+
+    def __init__(self, num_rows, q_len, seq_len, hq=32, hkv=8, head_dim=128, block_size=16, copies=1,
+                 dtype=torch.bfloat16):
+        self.num_rows, self.q_len, self.seq_len = num_rows, q_len, seq_len
+        self.hq, self.hkv, self.head_dim = hq, hkv, head_dim
+        blocks_per_row = math.ceil(seq_len / block_size)
+        blocks_per_copy = num_rows * blocks_per_row
+        num_blocks = blocks_per_copy * copies
+        shape = (num_blocks, hkv, block_size, head_dim)
+        self.key_cache = torch.randn(shape, device="cuda", dtype=dtype)
+        self.value_cache = torch.randn(shape, device="cuda", dtype=dtype)
+        perm = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)  # scattered, like a busy pool
+        self.tables = [perm[c * blocks_per_copy:(c + 1) * blocks_per_copy].view(num_rows, blocks_per_row)
+                       for c in range(copies)]
+        self.num_tokens = num_rows * q_len
+        self.query = torch.randn(self.num_tokens, hq, head_dim, device="cuda", dtype=dtype)
+        self.out = torch.empty_like(self.query)
+        self.query_start_loc = torch.arange(0, self.num_tokens + 1, q_len, device="cuda", dtype=torch.int32)
+        self.seq_lens = torch.full((num_rows,), seq_len, device="cuda", dtype=torch.int32)
+        self.num_decodes = num_rows if q_len == 1 else 0
+        # Sized like the engine's: for its max_num_seqs rows (256), so small batches may split finer.
+        nbytes = _core.cuda_ops.paged_attention_workspace_bytes(max(256, self.num_decodes), hq, head_dim, seq_len)
+        self.workspace = torch.empty(max(1, math.ceil(nbytes / 4)), device="cuda", dtype=torch.float32)
+
+    def calls(self):
+        def run(table):
+            cuda_op("paged_attention", self.out, self.query, self.key_cache, self.value_cache, table,
+                    self.query_start_loc, self.seq_lens, self.head_dim**-0.5, self.q_len, self.seq_len,
+                    self.num_decodes, self.workspace)
+        return [lambda t=t: run(t) for t in self.tables]
+
+    def kv_bytes(self):
+        return 2 * self.num_rows * self.seq_len * self.hkv * self.head_dim * self.key_cache.element_size()
+
+    def io_bytes(self):  # K/V + Q read, out written
+        return self.kv_bytes() + 2 * self.query.numel() * self.query.element_size()
+
+    def causal_flops(self):
+        return 4 * self.seq_len**2 / 2 * self.head_dim * self.hq * self.num_rows
+
+
+def decode_case(batch, context, args):
+    copies = max(1, math.ceil(ROTATE_BYTES / (2 * batch * context * 8 * 128 * 2)))
+    problem = PagedProblem(batch, 1, context, copies=min(copies, 64))
+    ms = time_per_call_ms(problem.calls(), rounds=max(1, 8 // len(problem.tables)), repeat=args.repeat)
+    gbs = problem.io_bytes() / (ms * 1e-3) / 1e9
+    return {"batch": batch, "context": context, "ms": ms, "gb_per_s": gbs}
+
+
+def prefill_case(seq_len, args):
+    problem = PagedProblem(1, seq_len, seq_len)
+    ms = time_per_call_ms(problem.calls(), rounds=3, repeat=args.repeat)
+    return {"seq_len": seq_len, "ms": ms, "tflops": problem.causal_flops() / (ms * 1e-3) / 1e12}
+
+
+# ---------------------------------------------------------------------------
+# Small fused ops at TinyLlama-1.1B shapes, against eager torch
+
+
+def torch_rms_norm(x, weight, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def torch_rotary(positions, query, key, cos_sin):
+    half = cos_sin.shape[1] // 2
+    cos, sin = cos_sin[positions.long()].chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+
+    def rotate(x):
+        x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    query.copy_(rotate(query))
+    key.copy_(rotate(key))
+
+
+def small_op_pairs(tokens):
+    """(ours, torch eager) callables per op, on fresh TinyLlama-1.1B-shaped bf16 inputs of `tokens` tokens."""
+    hidden, hq, hkv, head_dim, inter, eps = 2048, 32, 4, 64, 5632, 1e-5
+    dtype = torch.bfloat16
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    residual = torch.randn_like(x)
+    weight = torch.randn(hidden, device="cuda", dtype=dtype)
+    out = torch.empty_like(x)
+    gate_up = torch.randn(tokens, 2 * inter, device="cuda", dtype=dtype)
+    act = torch.empty(tokens, inter, device="cuda", dtype=dtype)
+    query = torch.randn(tokens, hq, head_dim, device="cuda", dtype=dtype)
+    key = torch.randn(tokens, hkv, head_dim, device="cuda", dtype=dtype)
+    value = torch.randn_like(key)
+    positions = torch.randint(0, 2048, (tokens,), device="cuda", dtype=torch.int32)
+    inv_freq = 10000.0 ** (-torch.arange(0, head_dim // 2, device="cuda", dtype=torch.float64) * 2 / head_dim)
+    angles = torch.arange(2048, device="cuda", dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+    num_blocks, block_size = 4096, 16
+    key_cache = torch.zeros(num_blocks, hkv, block_size, head_dim, device="cuda", dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:tokens].to(torch.int32)
+    blocks, offsets = (slots // block_size).long(), (slots % block_size).long()
+
+    def torch_cache():
+        key_cache[blocks, :, offsets] = key
+        value_cache[blocks, :, offsets] = value
+
+    def torch_fused():
+        residual.add_(x)
+        x.copy_(torch_rms_norm(residual, weight, eps))
+
+    return {
+        "rms_norm": (lambda: cuda_op("rms_norm", out, x, weight, eps),
+                     lambda: out.copy_(torch_rms_norm(x, weight, eps))),
+        "fused_add_rms_norm": (lambda: cuda_op("fused_add_rms_norm", x, residual, weight, eps), torch_fused),
+        "rotary_embedding": (lambda: cuda_op("rotary_embedding", positions, query, key, cos_sin),
+                             lambda: torch_rotary(positions, query, key, cos_sin)),
+        "silu_and_mul": (lambda: cuda_op("silu_and_mul", act, gate_up),
+                         lambda: act.copy_(torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:])),
+        "reshape_and_cache": (lambda: cuda_op("reshape_and_cache", key, value, key_cache, value_cache, slots),
+                              torch_cache),
+    }
+
+
+def small_op_cases(args):
+    rows = []
+    for tokens in (1, 32, 2048):
+        for name, (ours, theirs) in small_op_pairs(tokens).items():
+            ours_us = 1e3 * time_per_call_ms([ours], rounds=50, repeat=args.repeat)
+            torch_us = 1e3 * time_per_call_ms([theirs], rounds=50, repeat=args.repeat)
+            rows.append({"op": name, "tokens": tokens, "ours_us": ours_us, "torch_us": torch_us,
+                         "speedup": torch_us / ours_us})
+    return rows
+
+
+# ---------------------------------------------------------------------------
+# Report
+
+
+def markdown(results) -> str:
+    env = results["environment"]
+    lines = [f"# Kernel benchmark ({env['device']}, {env['date']})", "",
+             f"torch {env['torch']}, CUDA {env['cuda']}", "",
+             "| ceiling | value |", "|---|---|",
+             f"| device-to-device copy | {results['copy_gb_per_s']:.0f} GB/s |",
+             f"| bf16 matmul 8192^3 | {results['matmul_tflops']:.0f} TFLOP/s |", "",
+             "## Decode attention (32 q / 8 kv heads, D 128, bf16, block 16)", "",
+             "| batch | context | time (ms) | GB/s | % of copy |", "|---|---|---|---|---|"]
+    for row in results["decode_sweep"]:
+        lines.append(f"| {row['batch']} | {row['context']} | {row['ms']:.4f} | {row['gb_per_s']:.0f} | "
+                     f"{100 * row['fraction_of_copy']:.1f} % |")
+    target = results["decode_target"]
+    lines += ["", (f"Target (64 x 4096): {100 * target['fraction']:.1f} % of copy bandwidth, needs >= "
+                   f"{100 * DECODE_TARGET:.0f} %: **{'PASS' if target['pass'] else 'FAIL'}**"), "",
+              "## Prefill attention (one causal prompt, 32 q / 8 kv heads, D 128, bf16)", "",
+              "| tokens | time (ms) | TFLOP/s | % of matmul |", "|---|---|---|---|"]
+    for row in results["prefill"]:
+        lines.append(f"| {row['seq_len']} | {row['ms']:.3f} | {row['tflops']:.0f} | "
+                     f"{100 * row['fraction_of_matmul']:.1f} % |")
+    target = results["prefill_target"]
+    lines += ["", (f"Target (4096 tokens): {100 * target['fraction']:.1f} % of the matmul rate, needs >= "
+                   f"{100 * PREFILL_TARGET:.0f} %: **{'PASS' if target['pass'] else 'FAIL'}**"), "",
+              "## Small fused ops, TinyLlama-1.1B shapes (bf16)", "",
+              "| op | tokens | ours (us) | torch eager (us) | speedup |", "|---|---|---|---|---|"]
+    for row in results["small_ops"]:
+        lines.append(f"| {row['op']} | {row['tokens']} | {row['ours_us']:.2f} | {row['torch_us']:.2f} | "
+                     f"{row['speedup']:.1f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller sweep")
+    args = parser.parse_args()
+    args.repeat = 5 if args.quick else 20
+    if not (torch.cuda.is_available() and getattr(_core, "has_cuda", False)):
+        sys.exit("kernel_bench needs a CUDA GPU and pagedserve._core built with USE_CUDA=ON")
+    torch.manual_seed(0)
+
+    results = {"environment": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "cuda": torch.version.cuda, "date": datetime.datetime.now().isoformat(timespec="seconds")}}
+    results["copy_gb_per_s"] = copy_bandwidth_gbs(args)
+    results["matmul_tflops"] = matmul_tflops(args)
+    print(f"copy {results['copy_gb_per_s']:.0f} GB/s, bf16 matmul {results['matmul_tflops']:.0f} TFLOP/s", flush=True)
+
+    batches = (1, 8, 64) if args.quick else (1, 8, 32, 64, 128)
+    contexts = (512, 4096) if args.quick else (512, 1024, 4096, 8192)
+    sweep = []
+    for batch in batches:
+        for context in contexts:
+            row = decode_case(batch, context, args)
+            row["fraction_of_copy"] = row["gb_per_s"] / results["copy_gb_per_s"]
+            sweep.append(row)
+            print(f"decode {batch:4d} x {context:5d}: {row['ms']:.4f} ms  {row['gb_per_s']:6.0f} GB/s  "
+                  f"{100 * row['fraction_of_copy']:5.1f} % of copy", flush=True)
+    results["decode_sweep"] = sweep
+    target = decode_case(64, 4096, args)
+    fraction = target["gb_per_s"] / results["copy_gb_per_s"]
+    results["decode_target"] = {**target, "fraction": fraction, "pass": fraction >= DECODE_TARGET}
+
+    prefill = []
+    for seq_len in (1024, 2048, 4096):
+        row = prefill_case(seq_len, args)
+        row["fraction_of_matmul"] = row["tflops"] / results["matmul_tflops"]
+        prefill.append(row)
+        print(f"prefill {seq_len:5d}: {row['ms']:.3f} ms  {row['tflops']:5.0f} TFLOP/s  "
+              f"{100 * row['fraction_of_matmul']:5.1f} % of matmul", flush=True)
+    results["prefill"] = prefill
+    fraction = prefill[-1]["fraction_of_matmul"]
+    results["prefill_target"] = {**prefill[-1], "fraction": fraction, "pass": fraction >= PREFILL_TARGET}
+
+    results["small_ops"] = small_op_cases(args)
+    report = markdown(results)
+    print(report)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    (out_dir / f"kernel_bench-{stamp}.json").write_text(json.dumps(results, indent=2))
+    (out_dir / f"kernel_bench-{stamp}.md").write_text(report)
+    print(f"saved {out_dir}/kernel_bench-{stamp}.{{json,md}}")
+
+
+if __name__ == "__main__":
+    main()

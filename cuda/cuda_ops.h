@@ -1,0 +1,75 @@
+// CUDA ops: the GPU side of every op in cpp/ops/ops.h, same arguments and
+// semantics (that header is the reference), plus a trailing stream.
+//
+// Every tensor is a contiguous CUDA TensorView on one device; index tensors
+// are int32; float tensors of one op share a dtype (float32, float16 or
+// bfloat16) and arithmetic is float32. Bad arguments throw
+// std::invalid_argument naming the op and the argument; a failed launch throws
+// std::runtime_error naming the kernel.
+//
+// Every op only enqueues kernels on `stream`: no allocation, no host sync, no
+// copies, so each is safe to capture in a CUDA graph. Per-step shapes that the
+// kernels need (seq_lens, query_start_loc, block tables, slot mappings) are
+// read from device memory; only launch shapes come from host integers.
+//
+// Index safety: writes through a slot mapping or a block copy outside the
+// cache are skipped (a kernel cannot throw); reads trust the block tables.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+#include "ops/tensor_view.h"
+
+namespace pagedserve::cuda {
+
+using ops::TensorView;
+
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight.   x, out: [T, H]; weight: [H].
+void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps, cudaStream_t stream);
+
+// In place, one kernel: residual += x; x = rms_norm(residual) * weight.
+// The norm reads the updated residual as stored (rounded to the dtype).
+void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight, float eps,
+                        cudaStream_t stream);
+
+// In place half rotation of the first R dims of every query and key head.
+// positions: [T] int32; query: [T, Hq, D]; key: [T, Hkv, D]; cos_sin: [max_position, R] float32.
+// Tokens whose position is outside [0, max_position) are left unchanged.
+void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
+                      const TensorView& cos_sin, cudaStream_t stream);
+
+// out = silu(x[:, :I]) * x[:, I:].   x: [T, 2I]; out: [T, I].
+void silu_and_mul(const TensorView& out, const TensorView& x, cudaStream_t stream);
+
+// key, value: [T, Hkv, D]; key_cache, value_cache: [N, Hkv, B, D]; slot_mapping: [T] int32.
+// Tokens with a negative slot (kPadSlot) or a slot past the cache are skipped.
+void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
+                       const TensorView& value_cache, const TensorView& slot_mapping, cudaStream_t stream);
+
+// kv_cache: [L, 2, N, Hkv, B, D]; block_copies: [C, 2] int32 (src, dst).
+// The copies of one call run in parallel: no copy may read a block another writes.
+void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies, cudaStream_t stream);
+
+// Paged attention over a mixed batch (semantics: ops::paged_attention).
+//
+// Rows [0, num_decodes) bring one query each and run the split-K decode
+// kernel; the remaining rows run the prefill/extend kernel. The host bounds
+// size the grids: max_query_len >= every prefill row's q_len and
+// max_seq_len >= every seq_len (under CUDA graphs pass max_model_len).
+// workspace: scratch of at least paged_attention_workspace_bytes(num_decodes,
+// Hq, D, max_seq_len) bytes in any dtype a TensorView takes (float32 is
+// natural; there is no uint8), 16-byte aligned; it may be empty (no data) when
+// max_seq_len fits one partition. A larger workspace lets small batches split
+// into finer partitions. Tokens past query_start_loc[S] are not written.
+void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                     const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
+                     const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
+                     const TensorView& workspace, cudaStream_t stream);
+
+// Bytes of split-K scratch paged_attention needs for num_seqs decode rows:
+// float32 partial outputs plus a running max and sum per (row, head, partition).
+size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_seq_len);
+
+}  // namespace pagedserve::cuda

@@ -1,0 +1,114 @@
+// A host emulation of the CUDA execution model, enough for the kernels in
+// cuda/: each CTA runs as blockDim.x std::threads, one CTA at a time.
+// __syncthreads and the warp-wide operations (shuffles, ldmatrix, mma)
+// rendezvous on barriers; cp.async copies synchronously, so the emulator checks
+// indexing, masking and arithmetic, not the timing of the pipelines (that is
+// compute-sanitizer racecheck's job on a GPU).
+//
+// Force-included (g++ -include) before the host copies of the kernel sources
+// that make_host_sources.py writes.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#ifndef __launch_bounds__
+#define __launch_bounds__(...)
+#endif
+
+inline thread_local uint3 threadIdx;
+inline thread_local uint3 blockIdx;
+inline dim3 gridDim;
+inline dim3 blockDim;
+
+// The dynamic shared memory of the CTA being run (227 KB, the sm_90 maximum).
+alignas(128) inline unsigned char emu_smem[232448];
+
+namespace emu {
+
+// What the lanes of one warp exchange at a rendezvous.
+struct Warp {
+  std::barrier<> barrier{32};
+  float value[32];
+  const void* address[32];
+  uint32_t a[32][4];
+  uint32_t b[32][2];
+};
+
+struct Cta {
+  explicit Cta(int threads) : barrier(threads), warps(static_cast<size_t>((threads + 31) / 32)) {}
+  std::barrier<> barrier;
+  std::vector<Warp> warps;
+};
+
+inline Cta* current_cta = nullptr;
+inline thread_local int lane_id = 0;
+inline thread_local int warp_id = 0;
+inline long long num_launches = 0;
+inline long long num_ctas = 0;
+
+inline Warp& warp() { return current_cta->warps[static_cast<size_t>(warp_id)]; }
+
+// Runs kernel() as every thread of every CTA of `grid`. Shared memory is
+// filled with 0xff (NaN in every float format) before each CTA.
+template <typename Kernel>
+void launch(dim3 grid, dim3 block, size_t shared_bytes, Kernel kernel) {
+  ++num_launches;
+  gridDim = grid;
+  blockDim = block;
+  const int threads = static_cast<int>(block.x);
+  for (unsigned z = 0; z < grid.z; ++z) {
+    for (unsigned y = 0; y < grid.y; ++y) {
+      for (unsigned x = 0; x < grid.x; ++x) {
+        ++num_ctas;
+        std::memset(emu_smem, 0xff, shared_bytes);
+        Cta cta(threads);
+        current_cta = &cta;
+        std::vector<std::thread> pool;
+        for (int t = 0; t < threads; ++t) {
+          pool.emplace_back([&, t] {
+            threadIdx = make_uint3(static_cast<unsigned>(t), 0, 0);
+            blockIdx = make_uint3(x, y, z);
+            lane_id = t % 32;
+            warp_id = t / 32;
+            kernel();
+            warp().barrier.arrive_and_drop();  // an exited thread stops counting, as on the GPU
+            cta.barrier.arrive_and_drop();
+          });
+        }
+        for (auto& thread : pool) thread.join();
+        current_cta = nullptr;
+      }
+    }
+  }
+}
+
+}  // namespace emu
+
+inline void __syncthreads() { emu::current_cta->barrier.arrive_and_wait(); }
+
+inline float __shfl_xor_sync(unsigned /*mask*/, float v, int lane_mask) {
+  emu::Warp& w = emu::warp();
+  w.value[emu::lane_id] = v;
+  w.barrier.arrive_and_wait();
+  const float other = w.value[emu::lane_id ^ lane_mask];
+  w.barrier.arrive_and_wait();
+  return other;
+}
+
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+
+// Launch-time runtime calls of the host code: a single emulated H100.
+template <typename Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel*, cudaFuncAttribute, int) {
+  return cudaSuccess;
+}

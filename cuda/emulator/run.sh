@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Compiles the CUDA ops for the host with the emulator and checks them against
+# the CPU reference ops. No GPU needed; about a minute (two with ASan).
+#   cuda/emulator/run.sh [elementwise|attention]       SANITIZE=1 for ASan + UBSan
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
+OUT="${EMULATOR_BUILD_DIR:-$ROOT/build/emulator}"
+mkdir -p "$OUT"
+python3 "$HERE/make_host_sources.py" "$OUT/src"
+FLAGS=(-std=c++20 -O1 -g -w -pthread -include "$HERE/emu_runtime.h" -I "$OUT/src" -I "$ROOT/cpp" -I "$CUDA_HOME/include")
+if [[ "${SANITIZE:-0}" == 1 ]]; then FLAGS+=(-fsanitize=address,undefined -fno-sanitize-recover=undefined); fi
+KERNELS=("$OUT"/src/*.cc)
+CPU_OPS=("$ROOT"/cpp/ops/*.cc)
+"${CXX:-g++}" "${FLAGS[@]}" "$HERE/emulate_ops.cc" "${KERNELS[@]}" "${CPU_OPS[@]}" -o "$OUT/emulate_ops"
+ASAN_OPTIONS=detect_leaks=0 "$OUT/emulate_ops" "$@"

@@ -1,0 +1,190 @@
+// paged_attention: argument checks, the decode split-K plan, and the one
+// dispatch onto the kernels (decode_attention.cuh, prefill_attention.cuh,
+// attention_f32.cuh).
+//
+// Split-K plan: partitions of 512 tokens by default; when the decode grid
+// (rows x kv heads x partitions) would not fill the GPU twice over, the
+// partitions halve (down to 64 tokens) as long as the caller's workspace
+// holds the extra partials. Everything the plan reads is fixed for a captured
+// CUDA graph: host bounds, the workspace size and the SM count.
+#include <type_traits>
+
+#include "arg_checks.h"
+#include "attention_f32.cuh"
+#include "attention_params.h"
+#include "cuda_check.h"
+#include "cuda_ops.h"
+#include "decode_attention.cuh"
+#include "dispatch.h"
+#include "prefill_attention.cuh"
+
+namespace pagedserve::cuda {
+namespace {
+
+constexpr const char* kOp = "paged_attention";
+constexpr int kMaxGridYZ = 65535;
+
+// Workspace bytes for `partitions` partials per (row, head): O / l, max, sum.
+size_t split_bytes(int64_t rows, int64_t heads, int64_t head_dim, int64_t partitions) {
+  return static_cast<size_t>(rows * heads * partitions * (head_dim + 2)) * sizeof(float);
+}
+
+int multiprocessor_count(int device) {
+  int count = 0;
+  check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  return count;
+}
+
+int plan_partition_tokens(const PagedAttentionParams& p, int head_dim, size_t workspace_bytes, int device) {
+  const int group_size = p.num_heads / p.num_kv_heads;
+  const int64_t ctas_per_partition =
+      static_cast<int64_t>(p.num_decodes) * p.num_kv_heads * ceil_div(group_size, decode::kHeadsPerCta);
+  const int64_t target_ctas = 2 * static_cast<int64_t>(multiprocessor_count(device));
+  int partition_tokens = decode::kMaxPartitionTokens;
+  while (partition_tokens > decode::kMinPartitionTokens) {
+    if (ctas_per_partition * ceil_div(p.max_seq_len, partition_tokens) >= target_ctas) break;
+    const int finer = ceil_div(p.max_seq_len, partition_tokens / 2);
+    if (finer > 1 && split_bytes(p.num_decodes, p.num_heads, head_dim, finer) > workspace_bytes) break;
+    partition_tokens /= 2;
+  }
+  return partition_tokens;
+}
+
+DecodeSplit plan_decode_split(const PagedAttentionParams& p, int head_dim, const TensorView& workspace, int device) {
+  const size_t available =  // a view without data (None from Python) is no workspace
+      workspace.data == nullptr ? 0 : static_cast<size_t>(workspace.numel()) * ops::element_size(workspace.dtype);
+  DecodeSplit split{};
+  split.partition_tokens = plan_partition_tokens(p, head_dim, available, device);
+  split.num_partitions = std::max(1, ceil_div(p.max_seq_len, split.partition_tokens));
+  if (split.num_partitions == 1) return split;  // rows finish in the partition kernel
+
+  const size_t needed = split_bytes(p.num_decodes, p.num_heads, head_dim, split.num_partitions);
+  ops::require(available >= needed, kOp,
+               "workspace holds " + std::to_string(available) + " bytes but " + std::to_string(needed) +
+                   " are needed; size it with paged_attention_workspace_bytes(num_seqs, num_heads, head_dim, "
+                   "max_seq_len)");
+  require_cuda_tensor(kOp, "workspace", workspace, workspace.ndim);
+  ops::require(workspace.device_index == device, kOp, "workspace must be on the device of the other tensors");
+  ops::require(is_aligned16(workspace.data), kOp, "workspace must be 16-byte aligned");
+  const int64_t slots = static_cast<int64_t>(p.num_decodes) * p.num_heads * split.num_partitions;
+  split.partial_out = static_cast<float*>(workspace.data);
+  split.partial_max = split.partial_out + slots * head_dim;
+  split.partial_sum = split.partial_max + slots;
+  return split;
+}
+
+struct AttentionShape {
+  int num_tokens;
+  int num_heads;
+  int num_kv_heads;
+  int head_dim;
+  int block_size;
+  int num_seqs;
+};
+
+AttentionShape check_attention_args(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                                    const TensorView& value_cache, const TensorView& block_tables,
+                                    const TensorView& query_start_loc, const TensorView& seq_lens) {
+  require_cuda_float(kOp, "query", query, 3);
+  require_cuda_tensor(kOp, "out", out, 3);
+  require_cuda_tensor(kOp, "key_cache", key_cache, 4);
+  require_cuda_tensor(kOp, "value_cache", value_cache, 4);
+  require_cuda_int32(kOp, "block_tables", block_tables, 2);
+  require_cuda_int32(kOp, "query_start_loc", query_start_loc, 1);
+  require_cuda_int32(kOp, "seq_lens", seq_lens, 1);
+  ops::require_same_dtype(kOp, "out", out, query);
+  ops::require_same_dtype(kOp, "key_cache", key_cache, query);
+  ops::require_same_dtype(kOp, "value_cache", value_cache, query);
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"out", &out},
+                                {"key_cache", &key_cache},
+                                {"value_cache", &value_cache},
+                                {"block_tables", &block_tables},
+                                {"query_start_loc", &query_start_loc},
+                                {"seq_lens", &seq_lens}}) {
+    require_same_device(kOp, name, *t, query);
+  }
+  for (int d = 0; d < 3; ++d) ops::require_size(kOp, "out", out, d, query.size(d));
+  for (int d = 0; d < 4; ++d) ops::require_size(kOp, "value_cache", value_cache, d, key_cache.size(d));
+  ops::require_size(kOp, "key_cache", key_cache, 3, query.size(2));
+  const int64_t num_seqs = seq_lens.size(0);
+  ops::require_size(kOp, "query_start_loc", query_start_loc, 0, num_seqs + 1);
+  ops::require_size(kOp, "block_tables", block_tables, 0, num_seqs);
+  const AttentionShape shape{checked_int(kOp, "num_tokens", query.size(0)),
+                             checked_int(kOp, "num_heads", query.size(1)),
+                             checked_int(kOp, "num_kv_heads", key_cache.size(1)),
+                             checked_int(kOp, "head_dim", query.size(2)),
+                             checked_int(kOp, "block_size", key_cache.size(2)),
+                             checked_int(kOp, "num_seqs", num_seqs)};
+  ops::require(shape.num_kv_heads > 0 && shape.num_heads % shape.num_kv_heads == 0, kOp,
+               "num_heads (" + std::to_string(shape.num_heads) + ") must be a multiple of num_kv_heads (" +
+                   std::to_string(shape.num_kv_heads) + ")");
+  ops::require(shape.num_heads <= kMaxGridYZ, kOp, "at most 65535 query heads");
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"out", &out},
+                                {"query", &query},
+                                {"key_cache", &key_cache},
+                                {"value_cache", &value_cache}}) {
+    ops::require(is_aligned16(t->data), kOp, std::string(name) + " must be 16-byte aligned");
+  }
+  return shape;
+}
+
+}  // namespace
+
+size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_seq_len) {
+  ops::require(num_seqs >= 0 && num_heads >= 0 && head_dim >= 0, "paged_attention_workspace_bytes",
+               "num_seqs, num_heads and head_dim must be >= 0");
+  if (max_seq_len <= 0) return 0;
+  return split_bytes(num_seqs, num_heads, head_dim, ceil_div(max_seq_len, decode::kMaxPartitionTokens));
+}
+
+void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                     const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
+                     const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
+                     const TensorView& workspace, cudaStream_t stream) {
+  const AttentionShape shape =
+      check_attention_args(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens);
+  const int num_prefills = shape.num_seqs - num_decodes;
+  ops::require(num_decodes >= 0 && num_prefills >= 0, kOp,
+               "num_decodes = " + std::to_string(num_decodes) + " must be in [0, num_seqs = " +
+                   std::to_string(shape.num_seqs) + "]");
+  ops::require(num_decodes <= shape.num_tokens, kOp, "num_decodes exceeds the number of query tokens");
+  ops::require(num_decodes <= kMaxGridYZ && num_prefills <= kMaxGridYZ, kOp,
+               "at most 65535 decode rows and 65535 prefill rows per call");
+  ops::require(max_seq_len >= 0 && max_query_len >= 0, kOp, "max_query_len and max_seq_len must be >= 0");
+  ops::require(num_prefills == 0 || max_query_len >= 1, kOp, "prefill rows need max_query_len >= 1");
+  if (shape.num_tokens == 0 || shape.num_seqs == 0) return;
+
+  PagedAttentionParams params{};
+  params.out = out.data;
+  params.query = query.data;
+  params.key_cache = key_cache.data;
+  params.value_cache = value_cache.data;
+  params.block_tables = block_tables.ptr<const int32_t>();
+  params.query_start_loc = query_start_loc.ptr<const int32_t>();
+  params.seq_lens = seq_lens.ptr<const int32_t>();
+  params.scale = scale;
+  params.num_seqs = shape.num_seqs;
+  params.num_tokens = shape.num_tokens;
+  params.num_heads = shape.num_heads;
+  params.num_kv_heads = shape.num_kv_heads;
+  params.max_blocks_per_seq = checked_int(kOp, "max_blocks_per_seq", block_tables.size(1));
+  params.max_query_len = max_query_len;
+  params.max_seq_len = max_seq_len;
+  params.num_decodes = num_decodes;
+
+  DeviceGuard guard(query.device_index);
+  dispatch_attention(query.dtype, shape.head_dim, shape.block_size, kOp,
+                     [&]<typename T, int kHeadDim, int kBlockSize>() {
+                       if constexpr (std::is_same_v<T, float>) {
+                         launch_attention_f32<kHeadDim, kBlockSize>(params, stream);
+                       } else {
+                         if (num_decodes > 0) {
+                           const DecodeSplit split = plan_decode_split(params, kHeadDim, workspace, query.device_index);
+                           launch_decode_attention<T, kHeadDim, kBlockSize>(params, split, stream);
+                         }
+                         if (num_prefills > 0) launch_prefill_attention<T, kHeadDim, kBlockSize>(params, stream);
+                       }
+                     });
+}
+
+}  // namespace pagedserve::cuda

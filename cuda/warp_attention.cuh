@@ -1,0 +1,117 @@
+// One warp's share of flash attention on tensor cores: 16 query rows (the
+// M of mma.m16n8k16) against key / value tiles staged in shared memory, with
+// an online softmax kept in registers. The decode kernel's rows are the query
+// heads of one kv head; the prefill kernel's rows are 16 query tokens.
+//
+// Per lane (g = lane / 4, q = lane % 4) the state covers rows g and g + 8:
+// the running max m and partial sum l of each row, and the 16 x D output O as
+// D / 8 C fragments. Scores are in the log2 domain.
+#pragma once
+
+#include <cstdint>
+
+#include "attention_common.cuh"
+#include "float_convert.cuh"
+#include "mma.cuh"
+#include "smem_tile.cuh"
+
+namespace pagedserve::cuda {
+
+template <int kHeadDim>
+struct WarpAttentionState {
+  float max[2] = {-INFINITY, -INFINITY};  // rows g, g + 8
+  float sum[2] = {0.f, 0.f};              // this lane's share until finish_sums()
+  float out[kHeadDim / 8][4] = {};        // C fragment per 8 output columns
+
+  // Completes the row sums across the quad (each lane summed its own columns).
+  __device__ __forceinline__ void finish_sums() {
+    sum[0] = quad_sum(sum[0]);
+    sum[1] = quad_sum(sum[1]);
+  }
+};
+
+// A fragments of the 16 x D query tile rows [0, 16) of `tile`, one per k-step of 16 dims.
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void load_query_fragments(uint32_t (&q)[kHeadDim / 16][4], const T* tile, int lane) {
+  using Tile = SwizzledTile<kHeadDim>;
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) ldmatrix_x4(q[ks], tile + Tile::offset(lane % 16, 2 * ks + lane / 16));
+}
+
+// Attends the warp's 16 query rows to kKeys keys: rows [0, kKeys) of the
+// swizzled key and value tiles. masked(row, key) says whether row (0..15)
+// must not see key (0..kKeys-1); pass a lambda returning false for none.
+template <typename T, int kHeadDim, int kKeys, typename Masked>
+__device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
+                                            const uint32_t (&q)[kHeadDim / 16][4], const T* keys, const T* values,
+                                            float scale_log2, int lane, Masked masked) {
+  using Tile = SwizzledTile<kHeadDim>;
+  static_assert(kKeys % 16 == 0, "keys come in k-steps of 16");
+  constexpr int kKeyTiles = kKeys / 8;  // C fragments of scores, 8 keys each
+
+  // S = Q K^T. An x4 ldmatrix yields b0/b1 for keys [0, 8) and [8, 16) of a 16-key slice.
+  float s[kKeyTiles][4] = {};
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+#pragma unroll
+    for (int slice = 0; slice < kKeys / 16; ++slice) {
+      uint32_t b[4];
+      ldmatrix_x4(b, keys + Tile::offset(slice * 16 + (lane / 16) * 8 + lane % 8, 2 * ks + (lane / 8) % 2));
+      mma_m16n8k16<T>(s[2 * slice], q[ks], b[0], b[1]);
+      mma_m16n8k16<T>(s[2 * slice + 1], q[ks], b[2], b[3]);
+    }
+  }
+
+  const int g = lane / 4;
+  const int key_in_tile = 2 * (lane % 4);
+#pragma unroll
+  for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const bool hidden = masked(g + (e / 2) * 8, n * 8 + key_in_tile + e % 2);
+      s[n][e] = hidden ? -INFINITY : s[n][e] * scale_log2;
+    }
+  }
+
+  // Online softmax: rescale what was accumulated under the old max.
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+    const float new_max = fmaxf(state.max[half], quad_max(tile_max));
+    const float rescale = exp2_shifted(state.max[half], new_max);
+    state.max[half] = new_max;
+    float tile_sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+      s[n][2 * half] = exp2_shifted(s[n][2 * half], new_max);
+      s[n][2 * half + 1] = exp2_shifted(s[n][2 * half + 1], new_max);
+      tile_sum += s[n][2 * half] + s[n][2 * half + 1];
+    }
+    state.sum[half] = state.sum[half] * rescale + tile_sum;
+#pragma unroll
+    for (int d = 0; d < kHeadDim / 8; ++d) {
+      state.out[d][2 * half] *= rescale;
+      state.out[d][2 * half + 1] *= rescale;
+    }
+  }
+
+  // O += P V. Two score fragments (16 keys) form one A fragment; ldmatrix.trans
+  // of the value rows yields b0/b1 for output columns [0, 8) and [8, 16) of a 16-column slice.
+#pragma unroll
+  for (int slice = 0; slice < kKeys / 16; ++slice) {
+    const uint32_t p[4] = {pack2<T>(s[2 * slice][0], s[2 * slice][1]), pack2<T>(s[2 * slice][2], s[2 * slice][3]),
+                           pack2<T>(s[2 * slice + 1][0], s[2 * slice + 1][1]),
+                           pack2<T>(s[2 * slice + 1][2], s[2 * slice + 1][3])};
+#pragma unroll
+    for (int dn = 0; dn < kHeadDim / 16; ++dn) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, values + Tile::offset(slice * 16 + lane % 16, 2 * dn + lane / 16));
+      mma_m16n8k16<T>(state.out[2 * dn], p, b[0], b[1]);
+      mma_m16n8k16<T>(state.out[2 * dn + 1], p, b[2], b[3]);
+    }
+  }
+}
+
+}  // namespace pagedserve::cuda

