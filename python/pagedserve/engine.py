@@ -241,6 +241,11 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ introspection
+    def request_id_of(self, seq_id: int) -> Optional[str]:
+        """The request a scheduler sequence belongs to; None once it finished or was aborted."""
+        owner = self._seq_owner.get(int(seq_id))
+        return owner[0].request_id if owner is not None else None
+
     def stats(self) -> dict:
         s = self.scheduler.stats()
         s["num_prompt_tokens_total"] = self.num_prompt_tokens_total

@@ -1,0 +1,164 @@
+"""The OpenAI-compatible server: `pagedserve serve`.
+
+    pagedserve serve --port 8000 [--model DIR] [--api-key KEY] [engine options]
+
+The HTTP server comes up at once and answers /health with 503 while the
+model loads on a thread of its own; then one engine loop thread serves
+every connection (see async_engine.py). SIGINT / SIGTERM stop accepting,
+abort the requests in flight (streams end with finish_reason "abort"),
+join the loop thread and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Callable, Optional
+
+import uvicorn
+from fastapi import FastAPI
+
+from pagedserve.server.async_engine import AsyncEngine
+from pagedserve.server.context import ServerContext
+from pagedserve.server.engine_inputs import EngineLimits
+from pagedserve.server.errors import install_error_handlers
+from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from pagedserve.server.routes import add_routes
+
+logger = logging.getLogger("pagedserve.server")
+
+# Seconds uvicorn waits for connections to finish after a signal; aborted streams end within a step.
+SHUTDOWN_GRACE_SECONDS = 10
+LOOP_JOIN_SECONDS = 30
+
+
+def build_app(ctx: ServerContext, on_startup: Optional[Callable[[asyncio.AbstractEventLoop], None]] = None) -> FastAPI:
+    """The ASGI app. `on_startup(loop)` runs when the server starts (it begins loading the model)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if on_startup is not None:
+            on_startup(asyncio.get_running_loop())
+        yield
+        ctx.async_engine.begin_shutdown()
+        joined = await asyncio.to_thread(ctx.async_engine.join, LOOP_JOIN_SECONDS)
+        if not joined:
+            logger.error("the engine loop did not stop within %d s", LOOP_JOIN_SECONDS)
+
+    app = FastAPI(title="pagedserve", summary="OpenAI-compatible LLM server", lifespan=lifespan,
+                  docs_url="/docs", redoc_url=None)
+    install_error_handlers(app)
+    add_routes(app, ctx)
+    # Added last = runs first: the key is checked before the body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
+    if ctx.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=ctx.api_key)
+    return app
+
+
+def attach_engine(ctx: ServerContext, engine, loop: asyncio.AbstractEventLoop) -> None:
+    """Fills the context from a loaded engine and starts the engine loop (event loop thread)."""
+    if ctx.async_engine.stopping:
+        return  # a signal came while loading
+    ctx.served_model_name = ctx.served_model_name or engine.worker.model_dir.name
+    ctx.model_dir = str(engine.worker.model_dir)
+    ctx.device = str(engine.worker.device)
+    ctx.tokenizer = engine.tokenizer
+    ctx.limits = EngineLimits(max_model_len=engine.max_model_len,
+                              max_num_seqs=engine.scheduler.config.max_num_seqs,
+                              max_logprobs=engine.config.max_logprobs,
+                              vocab_size=engine.model_config.vocab_size)
+    async_engine = ctx.async_engine
+    ctx.metrics = ServerMetrics(ctx.served_model_name,
+                                lambda: async_engine.loop_state.stats if async_engine.loop_state else None)
+    async_engine.start(engine, loop, ctx.metrics)
+
+
+def start_loading(ctx: ServerContext, build_engine: Callable[[], object], loop: asyncio.AbstractEventLoop,
+                  on_ready: Callable[[], None], on_failure: Callable[[], None]) -> threading.Thread:
+    """Builds the engine on a daemon thread, then attaches it on the event loop."""
+
+    def load() -> None:
+        try:
+            engine = build_engine()
+        except BaseException as err:  # report it on /health and exit, rather than hang
+            if isinstance(err, ValueError):  # a bad option or path: the message says it all
+                print(f"pagedserve: error: the model failed to load: {err}", file=sys.stderr, flush=True)
+            else:
+                logger.exception("the model failed to load")
+            ctx.load_error = f"{type(err).__name__}: {err}"
+            _call_in_loop(loop, on_failure)
+            return
+
+        def attach() -> None:
+            attach_engine(ctx, engine, loop)
+            on_ready()
+        _call_in_loop(loop, attach)
+
+    thread = threading.Thread(target=load, name="pagedserve-model-loader", daemon=True)
+    thread.start()
+    return thread
+
+
+def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], None]) -> None:
+    try:
+        loop.call_soon_threadsafe(fn)
+    except RuntimeError:  # the server stopped while the model loaded: nothing is waiting for it
+        pass
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server that aborts in-flight requests on SIGINT / SIGTERM and exits 0.
+
+    uvicorn on its own waits for streams to finish (minutes of generation) and
+    re-raises the signal once it has shut down, so the process would die by it.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]):
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting for connections
+        self.should_exit = True
+        self._on_exit()
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs the server until a signal; 0 on a clean stop, 1 when the model failed to load."""
+    from pagedserve.engine_config import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    ctx = ServerContext(AsyncEngine(args.max_num_waiting), api_key=args.api_key,
+                        max_request_bytes=args.max_request_bytes, served_model_name=args.served_model_name)
+    url = f"http://{args.host}:{args.port}"
+    server: Optional[GracefulServer] = None
+
+    def build_engine():
+        from pagedserve.engine import LLMEngine
+        return LLMEngine(config)
+
+    def on_ready() -> None:
+        print(f"pagedserve: serving {ctx.served_model_name} on {ctx.device} at {url} "
+              f"(max_model_len {ctx.limits.max_model_len})", file=sys.stderr, flush=True)
+
+    def on_failure() -> None:
+        server.should_exit = True
+
+    app = build_app(ctx, lambda loop: start_loading(ctx, build_engine, loop, on_ready, on_failure))
+    verbose = getattr(args, "verbose", False)
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=verbose,
+                                           log_level="info" if verbose else "warning",
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS),
+                            on_exit=ctx.async_engine.begin_shutdown)
+    print(f"pagedserve: listening on {url}, loading the model", file=sys.stderr, flush=True)
+    server.run()
+    return 1 if ctx.load_error is not None else 0

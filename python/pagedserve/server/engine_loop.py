@@ -1,0 +1,225 @@
+"""EngineLoop: the one thread that owns the LLMEngine.
+
+It loops: apply the commands that arrived (add, abort, snapshot, stop), run
+one engine.step() while anything is unfinished, and hand the step's outputs
+to the event loop in a single call_soon_threadsafe. When nothing is
+unfinished it sleeps on the command queue. No other thread touches the
+engine, so the engine needs no locks, and a request that arrives mid-step
+joins the running batch at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from pagedserve.server.engine_commands import (AbortCommand, AddCommand, EngineStepError, EngineUnavailable,
+                                               OutputRouter, SnapshotCommand, StepObserver, StopCommand,
+                                               WaitingCount)
+
+logger = logging.getLogger("pagedserve.server")
+
+# Steps remembered for the engine view's batch-composition chart.
+STEP_HISTORY_LENGTH = 240
+
+
+@dataclass
+class StepRecord:
+    time: float
+    prefill_tokens: int
+    decode_tokens: int
+    num_seqs: int
+
+
+@dataclass
+class LoopState:
+    """What the loop publishes after each iteration, read by other threads."""
+
+    stats: dict = field(default_factory=dict)
+    steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STEP_HISTORY_LENGTH))
+    num_steps: int = 0
+    num_step_failures: int = 0
+
+
+class EngineLoop(threading.Thread):
+    def __init__(self, engine, event_loop: asyncio.AbstractEventLoop, router: OutputRouter,
+                 waiting: WaitingCount, observer: Optional[StepObserver] = None):
+        super().__init__(name="pagedserve-engine-loop", daemon=True)
+        self.engine = engine
+        self.state = LoopState(stats=engine.stats())
+        self._event_loop = event_loop
+        self._router = router
+        self._waiting = waiting
+        self._observer = observer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._applied_adds = 0
+
+    def submit(self, command) -> None:
+        """Thread-safe and reentrant (SimpleQueue.put), so a signal handler may call it."""
+        self._commands.put(command)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        try:
+            while self._serve_once():
+                pass
+        except Exception:  # a bug in the loop itself: fail everything rather than hang clients
+            logger.exception("the engine loop died")
+            self._fail_everything(EngineStepError("the engine loop died"))
+        finally:
+            self._refuse_remaining_commands()
+
+    def _serve_once(self) -> bool:
+        idle = not self.engine.has_unfinished_requests()
+        commands = self._take_commands(block=idle)
+        for i, command in enumerate(commands):
+            if isinstance(command, StopCommand):
+                self._abort(list(self.engine.requests))
+                self._refuse(commands[i + 1:])
+                self._publish()
+                return False
+            self._apply(command)
+        if self.engine.has_unfinished_requests():
+            self._step()
+        self._publish()
+        return True
+
+    def _take_commands(self, block: bool) -> list:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command) -> None:
+        try:
+            self._apply_one(command)
+        except Exception as err:  # an engine bug on one command must not stop the loop for everyone
+            logger.exception("engine command %s failed", type(command).__name__)
+            future = getattr(command, "accepted", None) or getattr(command, "done", None)
+            if future is not None:
+                self._resolve(future, EngineStepError(f"the engine failed: {type(err).__name__}: {err}"))
+
+    def _apply_one(self, command) -> None:
+        if isinstance(command, AddCommand):
+            self._add(command)
+        elif isinstance(command, AbortCommand):
+            self._abort(command.request_ids)
+        elif isinstance(command, SnapshotCommand):
+            self._snapshot(command)
+        else:
+            raise TypeError(f"unknown engine command {command!r}")
+
+    def _add(self, command: AddCommand) -> None:
+        self._applied_adds += 1
+        if command.accepted.cancelled():  # the client left before its request got here
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    arrival_time=command.arrival_time)
+        except (ValueError, TypeError) as err:
+            self._resolve(command.accepted, err)
+            return
+        if self._observer is not None:
+            self._observer.on_request_added(command.request_id, len(command.prompt["prompt_token_ids"]))
+        self._resolve(command.accepted, None)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        finals = []
+        for rid in request_ids:
+            request = self.engine.requests.get(rid)
+            if request is None:
+                continue  # finished or never added
+            self.engine.abort_request(rid)
+            delta = request.take_delta()  # the samples' "abort" finish
+            if delta is not None:
+                finals.append(delta)
+        if finals:
+            self._to_event_loop(self._router.deliver, finals)
+            if self._observer is not None:
+                self._observer.on_outputs(finals)
+
+    def _snapshot(self, command: SnapshotCommand) -> None:
+        try:
+            value = command.read(self.engine, self)
+        except Exception as err:  # a bad reader must not take the loop down
+            self._resolve(command.done, err)
+            return
+        self._resolve(command.done, None, value)
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as err:
+            logger.exception("engine.step() failed; aborting the requests in flight")
+            self.state.num_step_failures += 1
+            self._fail_everything(EngineStepError(f"the engine failed: {type(err).__name__}: {err}"))
+            return
+        seconds = time.perf_counter() - start
+        self.state.num_steps += 1
+        if outputs:
+            self._to_event_loop(self._router.deliver, outputs)
+        if self._observer is not None:
+            self._observer.on_outputs(outputs)
+            self._observer.on_step(seconds)
+
+    def _publish(self) -> None:
+        stats = self.engine.stats()
+        if stats.get("step_num_seqs"):
+            self.state.steps.append(StepRecord(time.time(), int(stats["step_prefill_tokens"]),
+                                               int(stats["step_decode_tokens"]), int(stats["step_num_seqs"])))
+        self.state.stats = stats
+        self._waiting.publish(self._applied_adds, int(stats.get("num_waiting", 0)))
+        self._applied_adds = 0
+
+    # ------------------------------------------------------------------ failure and shutdown
+    def _fail_everything(self, error: BaseException) -> None:
+        ids = list(self.engine.requests)
+        for rid in ids:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("could not abort %s after an engine failure", rid)
+        if ids:
+            self._to_event_loop(self._router.fail, ids, error)
+            if self._observer is not None:
+                self._observer.on_requests_dropped(ids)
+
+    def _refuse_remaining_commands(self) -> None:
+        self._refuse(self._take_commands(block=False))
+        self._waiting.publish(self._applied_adds, 0)
+        self._applied_adds = 0
+
+    def _refuse(self, commands: list) -> None:
+        gone = EngineUnavailable("the server is shutting down")
+        for command in commands:
+            if isinstance(command, AddCommand):
+                self._applied_adds += 1
+                self._resolve(command.accepted, gone)
+            elif isinstance(command, SnapshotCommand):
+                self._resolve(command.done, gone)
+
+    # ------------------------------------------------------------------ crossing to the event loop
+    def _resolve(self, future: asyncio.Future, error: Optional[BaseException], value: Any = None) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+        self._to_event_loop(settle)
+
+    def _to_event_loop(self, fn: Callable, *args) -> None:
+        try:
+            self._event_loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop already closed: nobody is left to tell
+            pass

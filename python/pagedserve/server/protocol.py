@@ -1,0 +1,105 @@
+"""Request bodies of the API, as the OpenAI schema defines them, plus the
+extra sampling fields vLLM accepts (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, ...).
+
+Unknown fields are ignored (vLLM does the same), so clients written for newer
+API versions keep working; known fields of the wrong type or out of range
+are 400s. Ranges that SamplingParams already enforces are not repeated here:
+its messages reach the client unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# The OpenAI API caps top_logprobs at 20; the engine's max_logprobs may be lower.
+MAX_TOP_LOGPROBS = 20
+# The seeds a torch.Generator accepts.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """The fields completions and chat completions share."""
+
+    model: Optional[str] = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    # Extra sampling fields, as vLLM accepts them.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptField = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptField
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0)
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = Field(None, ge=1)
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[dict]]] = None
+    name: Optional[str] = None
+
+
+class ResponseFormat(_Body):
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(_Body):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: Optional[str] = None
+    tokens: list[int]

@@ -1,0 +1,121 @@
+"""POST /v1/chat/completions: the conversation goes through the model's chat
+template; the reply streams as chat.completion.chunk deltas or comes back
+as one chat.completion."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedserve.server.async_engine import EngineStepError, OutputStream
+from pagedserve.server.context import ServerContext
+from pagedserve.server.engine_inputs import (chat_logprobs, chat_prompt, check_chat_options, check_token_ids,
+                                             resolve_max_tokens, sampling_params)
+from pagedserve.server.errors import error_body
+from pagedserve.server.logprobs import chat_logprobs as chat_logprob_content
+from pagedserve.server.protocol import ChatCompletionRequest
+from pagedserve.server.serving_common import (Usage, aborted_by_shutdown, client_gone, engine_failure_response,
+                                              finish_fields)
+from pagedserve.server.streaming import DONE, sse, sse_response, until_disconnected
+
+ASSISTANT = "assistant"
+
+
+async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    ctx.require_ready()
+    ctx.check_model(body.model)
+    check_chat_options(body)
+    prompt = chat_prompt(body, ctx.tokenizer)
+    check_token_ids([prompt], ctx.limits)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = resolve_max_tokens(requested, [len(prompt["prompt_token_ids"])], ctx.limits, "messages")
+    logprobs = chat_logprobs(body)
+    params = sampling_params(body, max_tokens, logprobs, ctx.limits)
+    call = _ChatCompletion(ctx, body, prompt, f"chatcmpl-{uuid.uuid4().hex}", logprobs)
+    if body.stream:
+        stream = await ctx.generate([prompt], params, call.id, arrival)
+        return sse_response(call.events(stream))
+    result = await until_disconnected(request, call.collect(params, arrival))
+    return client_gone() if result is None else result
+
+
+class _ChatCompletion:
+    def __init__(self, ctx: ServerContext, body: ChatCompletionRequest, prompt: dict, call_id: str,
+                 logprobs: Optional[int]):
+        self.ctx = ctx
+        self.body = body
+        self.prompt = prompt
+        self.id = call_id
+        self.logprobs = logprobs
+        self.created = int(time.time())
+        self.usage = Usage(prompt_tokens=len(prompt["prompt_token_ids"]))
+
+    def _envelope(self, kind: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.ctx.served_model_name,
+                "system_fingerprint": None, "choices": choices}
+
+    def _logprobs(self, c) -> Optional[list[dict]]:
+        if self.logprobs is None:
+            return None
+        return chat_logprob_content(c.token_ids, c.logprobs, self.logprobs)
+
+    # ------------------------------------------------------------------ streaming
+    async def events(self, stream: OutputStream) -> AsyncIterator[str]:
+        chunk = "chat.completion.chunk"
+        try:
+            # Every choice opens with its role, as OpenAI's streams do.
+            yield sse(self._envelope(chunk, [{"index": i, "delta": {"role": ASSISTANT, "content": ""},
+                                               "logprobs": None, "finish_reason": None}
+                                              for i in range(self.body.n)]))
+            async for _, out in stream:
+                content, finished = [], []
+                for c in out.outputs:
+                    self.usage.completion_tokens += len(c.token_ids)
+                    logprobs = self._logprobs(c)
+                    if c.text or logprobs:
+                        content.append({"index": c.index, "delta": {"content": c.text},
+                                        "logprobs": {"content": logprobs} if logprobs is not None else None,
+                                        "finish_reason": None})
+                    if c.finish_reason:
+                        finished.append({"index": c.index, "delta": {}, "logprobs": None, **finish_fields(c)})
+                for choices in (content, finished):
+                    if choices:
+                        yield sse(self._envelope(chunk, choices))
+            if self.body.include_usage:
+                yield sse({**self._envelope(chunk, []), "usage": self.usage.as_dict()})
+        except EngineStepError as err:
+            yield sse(error_body(500, str(err)))
+        finally:
+            stream.close()
+        yield DONE
+
+    # ------------------------------------------------------------------ one response
+    async def collect(self, params, arrival: float) -> Response:
+        stream = await self.ctx.generate([self.prompt], params, self.id, arrival)
+        n = self.body.n
+        texts = [""] * n
+        logprobs: list[list[dict]] = [[] for _ in range(n)]
+        finals: list[dict] = [{} for _ in range(n)]
+        try:
+            async for _, out in stream:
+                for c in out.outputs:
+                    self.usage.completion_tokens += len(c.token_ids)
+                    texts[c.index] += c.text
+                    logprobs[c.index] += self._logprobs(c) or []
+                    if c.finish_reason:
+                        finals[c.index] = finish_fields(c)
+        except EngineStepError as err:
+            return engine_failure_response(err)
+        finally:
+            stream.close()
+        if aborted_by_shutdown(self.ctx, finals):
+            return JSONResponse(error_body(503, "the server shut down before the request finished"), 503)
+        choices = [{"index": i, "message": {"role": ASSISTANT, "content": texts[i]},
+                    "logprobs": {"content": logprobs[i]} if self.logprobs is not None else None, **finals[i]}
+                   for i in range(n)]
+        return JSONResponse({**self._envelope("chat.completion", choices), "usage": self.usage.as_dict()})
