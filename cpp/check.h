@@ -6,7 +6,7 @@
 // an exception instead of silently corrupting the cache.
 #pragma once
 
-#include <sstream>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 
@@ -14,16 +14,25 @@ namespace pagedserve::detail {
 
 [[noreturn]] inline void fail_check(const char* kind, const char* expr, const char* file, int line,
                                     const std::string& message) {
-  std::ostringstream out;
-  out << message << " [" << kind << " failed: " << expr << " at " << file << ":" << line << "]";
-  throw std::logic_error(out.str());
+  throw std::logic_error(message + " [" + kind + " failed: " + expr + " at " + file + ":" + std::to_string(line) +
+                         "]");
+}
+
+// Joins strings and numbers without iostreams (see cpp/ops/tensor_view.cc).
+template <typename Part>
+void append_part(std::string& out, const Part& part) {
+  if constexpr (std::is_arithmetic_v<Part>) {
+    out += std::to_string(part);
+  } else {
+    out += part;
+  }
 }
 
 template <typename... Parts>
 std::string concat(const Parts&... parts) {
-  std::ostringstream out;
-  (out << ... << parts);
-  return out.str();
+  std::string out;
+  (append_part(out, parts), ...);
+  return out;
 }
 
 }  // namespace pagedserve::detail

@@ -47,7 +47,7 @@ void silu_and_mul(const TensorView& out, const TensorView& x, cudaStream_t strea
   require_cuda_tensor(kOp, "out", out, 2);
   ops::require_same_dtype(kOp, "out", out, x);
   require_same_device(kOp, "out", out, x);
-  ops::require(x.size(1) % 2 == 0, kOp, "x's last dim must be even (gate and up halves), got " + x.describe());
+  PS_REQUIRE(x.size(1) % 2 == 0, kOp, "x's last dim must be even (gate and up halves), got " + x.describe());
   ops::require_size(kOp, "out", out, 0, x.size(0));
   ops::require_size(kOp, "out", out, 1, x.size(1) / 2);
   const int intermediate = checked_int(kOp, "intermediate size", out.size(1));

@@ -30,14 +30,14 @@ inline void require_cuda_int32(std::string_view op, std::string_view arg, const 
 // All of an op's tensors must live on the device of the first one.
 inline void require_same_device(std::string_view op, std::string_view arg, const ops::TensorView& t,
                                 const ops::TensorView& like) {
-  ops::require(t.device_index == like.device_index, op,
+  PS_REQUIRE(t.device_index == like.device_index, op,
                std::string(arg) + " is on cuda:" + std::to_string(t.device_index) + " but the other tensors are on cuda:" +
                    std::to_string(like.device_index));
 }
 
 // Launch shapes are int: refuse sizes that would overflow them.
 inline int checked_int(std::string_view op, std::string_view what, int64_t value) {
-  ops::require(value >= 0 && value <= std::numeric_limits<int32_t>::max(), op,
+  PS_REQUIRE(value >= 0 && value <= std::numeric_limits<int32_t>::max(), op,
                std::string(what) + " = " + std::to_string(value) + " does not fit the kernels' int32 indexing");
   return static_cast<int>(value);
 }

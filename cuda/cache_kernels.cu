@@ -117,7 +117,7 @@ void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies, cud
   ops::require_size(kOp, "block_copies", block_copies, 1, 2);
   const int num_copies = checked_int(kOp, "number of copies", block_copies.size(0));
   const int num_layer_slabs = checked_int(kOp, "layers * 2", kv_cache.size(0) * 2);
-  ops::require(num_layer_slabs <= 65535, kOp, "at most 32767 layers");
+  PS_REQUIRE(num_layer_slabs <= 65535, kOp, "at most 32767 layers");
   const int num_blocks = checked_int(kOp, "num_blocks", kv_cache.size(2));
   const int64_t block_bytes = kv_cache.size(3) * kv_cache.size(4) * kv_cache.size(5) * ops::element_size(kv_cache.dtype);
   if (num_copies == 0 || num_layer_slabs == 0 || block_bytes == 0) return;

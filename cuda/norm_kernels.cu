@@ -109,7 +109,7 @@ void launch_rms_norm(const char* op, void* out, const TensorView& in, void* resi
                          (residual == nullptr || is_aligned16(residual));
     dispatch_vector_width<T>(aligned && hidden % kVec16<T> == 0, [&]<int kVec>() {
       const int num_vecs = hidden / kVec;
-      ops::require(num_vecs <= 4 * kMaxThreadsPerRow, op,
+      PS_REQUIRE(num_vecs <= 4 * kMaxThreadsPerRow, op,
                    "hidden size " + std::to_string(hidden) + " is larger than the kernel supports");
       const bool one_per_thread = num_vecs <= kMaxThreadsPerRow;
       const int threads_per_row = next_pow2(one_per_thread ? num_vecs : ceil_div(num_vecs, 4));

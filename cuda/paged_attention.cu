@@ -59,13 +59,13 @@ DecodeSplit plan_decode_split(const PagedAttentionParams& p, int head_dim, const
   if (split.num_partitions == 1) return split;  // rows finish in the partition kernel
 
   const size_t needed = split_bytes(p.num_decodes, p.num_heads, head_dim, split.num_partitions);
-  ops::require(available >= needed, kOp,
+  PS_REQUIRE(available >= needed, kOp,
                "workspace holds " + std::to_string(available) + " bytes but " + std::to_string(needed) +
                    " are needed; size it with paged_attention_workspace_bytes(num_seqs, num_heads, head_dim, "
                    "max_seq_len)");
   require_cuda_tensor(kOp, "workspace", workspace, workspace.ndim);
-  ops::require(workspace.device_index == device, kOp, "workspace must be on the device of the other tensors");
-  ops::require(is_aligned16(workspace.data), kOp, "workspace must be 16-byte aligned");
+  PS_REQUIRE(workspace.device_index == device, kOp, "workspace must be on the device of the other tensors");
+  PS_REQUIRE(is_aligned16(workspace.data), kOp, "workspace must be 16-byte aligned");
   const int64_t slots = static_cast<int64_t>(p.num_decodes) * p.num_heads * split.num_partitions;
   split.partial_out = static_cast<float*>(workspace.data);
   split.partial_max = split.partial_out + slots * head_dim;
@@ -115,15 +115,15 @@ AttentionShape check_attention_args(const TensorView& out, const TensorView& que
                              checked_int(kOp, "head_dim", query.size(2)),
                              checked_int(kOp, "block_size", key_cache.size(2)),
                              checked_int(kOp, "num_seqs", num_seqs)};
-  ops::require(shape.num_kv_heads > 0 && shape.num_heads % shape.num_kv_heads == 0, kOp,
+  PS_REQUIRE(shape.num_kv_heads > 0 && shape.num_heads % shape.num_kv_heads == 0, kOp,
                "num_heads (" + std::to_string(shape.num_heads) + ") must be a multiple of num_kv_heads (" +
                    std::to_string(shape.num_kv_heads) + ")");
-  ops::require(shape.num_heads <= kMaxGridYZ, kOp, "at most 65535 query heads");
+  PS_REQUIRE(shape.num_heads <= kMaxGridYZ, kOp, "at most 65535 query heads");
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"out", &out},
                                 {"query", &query},
                                 {"key_cache", &key_cache},
                                 {"value_cache", &value_cache}}) {
-    ops::require(is_aligned16(t->data), kOp, std::string(name) + " must be 16-byte aligned");
+    PS_REQUIRE(is_aligned16(t->data), kOp, std::string(name) + " must be 16-byte aligned");
   }
   return shape;
 }
@@ -131,7 +131,7 @@ AttentionShape check_attention_args(const TensorView& out, const TensorView& que
 }  // namespace
 
 size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_seq_len) {
-  ops::require(num_seqs >= 0 && num_heads >= 0 && head_dim >= 0, "paged_attention_workspace_bytes",
+  PS_REQUIRE(num_seqs >= 0 && num_heads >= 0 && head_dim >= 0, "paged_attention_workspace_bytes",
                "num_seqs, num_heads and head_dim must be >= 0");
   if (max_seq_len <= 0) return 0;
   return split_bytes(num_seqs, num_heads, head_dim, ceil_div(max_seq_len, decode::kMaxPartitionTokens));
@@ -144,14 +144,14 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   const AttentionShape shape =
       check_attention_args(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens);
   const int num_prefills = shape.num_seqs - num_decodes;
-  ops::require(num_decodes >= 0 && num_prefills >= 0, kOp,
+  PS_REQUIRE(num_decodes >= 0 && num_prefills >= 0, kOp,
                "num_decodes = " + std::to_string(num_decodes) + " must be in [0, num_seqs = " +
                    std::to_string(shape.num_seqs) + "]");
-  ops::require(num_decodes <= shape.num_tokens, kOp, "num_decodes exceeds the number of query tokens");
-  ops::require(num_decodes <= kMaxGridYZ && num_prefills <= kMaxGridYZ, kOp,
+  PS_REQUIRE(num_decodes <= shape.num_tokens, kOp, "num_decodes exceeds the number of query tokens");
+  PS_REQUIRE(num_decodes <= kMaxGridYZ && num_prefills <= kMaxGridYZ, kOp,
                "at most 65535 decode rows and 65535 prefill rows per call");
-  ops::require(max_seq_len >= 0 && max_query_len >= 0, kOp, "max_query_len and max_seq_len must be >= 0");
-  ops::require(num_prefills == 0 || max_query_len >= 1, kOp, "prefill rows need max_query_len >= 1");
+  PS_REQUIRE(max_seq_len >= 0 && max_query_len >= 0, kOp, "max_query_len and max_seq_len must be >= 0");
+  PS_REQUIRE(num_prefills == 0 || max_query_len >= 1, kOp, "prefill rows need max_query_len >= 1");
   if (shape.num_tokens == 0 || shape.num_seqs == 0) return;
 
   PagedAttentionParams params{};

@@ -98,7 +98,7 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
   const RotaryShape shape{checked_int(kOp, "query heads", query.size(1)), checked_int(kOp, "kv heads", key.size(1)),
                           checked_int(kOp, "head_dim", query.size(2)), checked_int(kOp, "rotary dim", cos_sin.size(1)),
                           checked_int(kOp, "max_position", cos_sin.size(0))};
-  ops::require(shape.rotary_dim % 2 == 0 && shape.rotary_dim <= shape.head_dim, kOp,
+  PS_REQUIRE(shape.rotary_dim % 2 == 0 && shape.rotary_dim <= shape.head_dim, kOp,
                "cos_sin's rotary dim " + std::to_string(shape.rotary_dim) + " must be even and <= head_dim " +
                    std::to_string(shape.head_dim));
   const int grid = checked_int(kOp, "num_tokens", num_tokens);

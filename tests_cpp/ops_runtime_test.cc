@@ -115,7 +115,14 @@ TEST(TensorView, RequireHelpersNameOpAndArgument) {
   testing::HostTensor<float> other({2});
   EXPECT_TRUE(testing::throws_invalid([&] { require_same_dtype("op", "y", other.view(), v); },
                                       "op: y must have the same dtype as the other inputs (bfloat16)"));
-  EXPECT_TRUE(testing::throws_invalid([&] { require(false, "op", "custom"); }, "op: custom"));
+  EXPECT_TRUE(testing::throws_invalid([&] { PS_REQUIRE(false, "op", "custom"); }, "op: custom"));
+  int evaluated = 0;
+  const auto message = [&] {
+    ++evaluated;
+    return std::string("never built");
+  };
+  PS_REQUIRE(true, "op", message());
+  EXPECT_EQ(evaluated, 0) << "a passing check must not build its message";
   v.strides = {576, 1, 9};
   EXPECT_TRUE(testing::throws_invalid([&] { require_contiguous("paged_attention", "query", v); },
                                       "paged_attention: query must be contiguous, got bfloat16[8, 9, 64] strides "

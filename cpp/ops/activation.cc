@@ -24,7 +24,7 @@ void silu_and_mul(const TensorView& out, const TensorView& x) {
   require_cpu_float(op, "x", x, 2);
   require_cpu_float(op, "out", out, 2);
   require_same_dtype(op, "out", out, x);
-  require(x.size(1) % 2 == 0, op, "x's last dim must be even (gate and up halves), got " + x.describe());
+  PS_REQUIRE(x.size(1) % 2 == 0, op, "x's last dim must be even (gate and up halves), got " + x.describe());
   const int64_t rows = x.size(0);
   const int64_t width = x.size(1) / 2;
   require_size(op, "out", out, 0, rows);

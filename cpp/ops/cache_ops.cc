@@ -34,7 +34,7 @@ void check_reshape_and_cache_args(const TensorView& key, const TensorView& value
   const int64_t num_slots = key_cache.size(0) * key_cache.size(2);
   const int32_t* slots = slot_mapping.ptr<int32_t>();
   for (int64_t t = 0; t < tokens; ++t) {
-    require(slots[t] == kPadSlot || (slots[t] >= 0 && slots[t] < num_slots), op,
+    PS_REQUIRE(slots[t] == kPadSlot || (slots[t] >= 0 && slots[t] < num_slots), op,
             "slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slots[t]) + " is outside the cache [0, " +
                 std::to_string(num_slots) + ") and is not kPadSlot (-1)");
   }
@@ -49,7 +49,7 @@ void check_copy_blocks_args(const TensorView& kv_cache, const TensorView& block_
   const int64_t num_blocks = kv_cache.size(2);
   const int32_t* ids = block_copies.ptr<int32_t>();
   for (int64_t i = 0; i < 2 * block_copies.size(0); ++i) {
-    require(ids[i] >= 0 && ids[i] < num_blocks, op,
+    PS_REQUIRE(ids[i] >= 0 && ids[i] < num_blocks, op,
             "block_copies[" + std::to_string(i / 2) + "][" + std::to_string(i % 2) + "] = " + std::to_string(ids[i]) +
                 " is not a block id in [0, " + std::to_string(num_blocks) + ")");
   }

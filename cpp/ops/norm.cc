@@ -65,7 +65,7 @@ void check_norm_args(std::string_view op, std::string_view out_name, const Tenso
   require_size(op, out_name, out, 0, x.size(0));
   require_size(op, out_name, out, 1, x.size(1));
   require_size(op, "weight", weight, 0, x.size(1));
-  require(x.size(1) > 0, op, "x must have a non-empty last dim, got " + x.describe());
+  PS_REQUIRE(x.size(1) > 0, op, "x must have a non-empty last dim, got " + x.describe());
 }
 
 template <typename T>

@@ -42,10 +42,10 @@ void check_tensors(const TensorView& out, const TensorView& query, const TensorV
   for (int dim = 0; dim < 4; ++dim) require_size(kOp, "value_cache", value_cache, dim, key_cache.size(dim));
   require_size(kOp, "key_cache", key_cache, 3, query.size(2));
   const int64_t kv_heads = key_cache.size(1);
-  require(kv_heads > 0 && query.size(1) % kv_heads == 0, kOp,
+  PS_REQUIRE(kv_heads > 0 && query.size(1) % kv_heads == 0, kOp,
           "query heads (" + std::to_string(query.size(1)) + ") must be a multiple of kv heads (" +
               std::to_string(kv_heads) + ")");
-  require(key_cache.size(2) > 0, kOp, "block size must be > 0, got key_cache " + key_cache.describe());
+  PS_REQUIRE(key_cache.size(2) > 0, kOp, "block size must be > 0, got key_cache " + key_cache.describe());
   const int64_t num_seqs = seq_lens.size(0);
   require_size(kOp, "query_start_loc", query_start_loc, 0, num_seqs + 1);
   require_size(kOp, "block_tables", block_tables, 0, num_seqs);
@@ -61,24 +61,24 @@ void check_batch(const TensorView& query, const TensorView& key_cache, const Ten
   const int64_t max_blocks = block_tables.size(1);
   const int64_t num_blocks = key_cache.size(0);
   const int64_t block_size = key_cache.size(2);
-  require(starts[0] >= 0 && starts[num_seqs] <= query.size(0), kOp,
+  PS_REQUIRE(starts[0] >= 0 && starts[num_seqs] <= query.size(0), kOp,
           "query_start_loc must lie within the " + std::to_string(query.size(0)) + " query tokens, got [" +
               std::to_string(starts[0]) + ", " + std::to_string(starts[num_seqs]) + "]");
   for (int64_t s = 0; s < num_seqs; ++s) {
     const std::string row = "sequence " + std::to_string(s) + ": ";
     const int64_t q_len = int64_t{starts[s + 1]} - starts[s];
-    require(q_len >= 0, kOp, row + "query_start_loc must be non-decreasing");
+    PS_REQUIRE(q_len >= 0, kOp, row + "query_start_loc must be non-decreasing");
     if (q_len == 0) continue;
-    require(lens[s] >= q_len, kOp,
+    PS_REQUIRE(lens[s] >= q_len, kOp,
             row + "seq_lens = " + std::to_string(lens[s]) + " is shorter than its " + std::to_string(q_len) +
                 " queries");
     const int64_t blocks_needed = (int64_t{lens[s]} + block_size - 1) / block_size;
-    require(blocks_needed <= max_blocks, kOp,
+    PS_REQUIRE(blocks_needed <= max_blocks, kOp,
             row + "seq_lens = " + std::to_string(lens[s]) + " needs " + std::to_string(blocks_needed) +
                 " blocks, the block table has " + std::to_string(max_blocks));
     const int32_t* table = block_tables.ptr<int32_t>() + s * max_blocks;
     for (int64_t i = 0; i < blocks_needed; ++i) {
-      require(table[i] >= 0 && table[i] < num_blocks, kOp,
+      PS_REQUIRE(table[i] >= 0 && table[i] < num_blocks, kOp,
               row + "block_tables[" + std::to_string(i) + "] = " + std::to_string(table[i]) +
                   " is not a block id in [0, " + std::to_string(num_blocks) + ")");
     }

@@ -42,9 +42,9 @@ float llama3_inverse_frequency(float inv_freq, const RopeScaling& s) {
 void check_scaling(const RopeScaling& s) {
   constexpr std::string_view op = "rope_cos_sin_cache";
   if (s.factor <= 0.0) return;
-  require(s.low_freq_factor > 0.0, op, "scaling.low_freq_factor must be > 0");
-  require(s.high_freq_factor > s.low_freq_factor, op, "scaling.high_freq_factor must be > scaling.low_freq_factor");
-  require(s.original_max_position > 0, op, "scaling.original_max_position must be > 0");
+  PS_REQUIRE(s.low_freq_factor > 0.0, op, "scaling.low_freq_factor must be > 0");
+  PS_REQUIRE(s.high_freq_factor > s.low_freq_factor, op, "scaling.high_freq_factor must be > scaling.low_freq_factor");
+  PS_REQUIRE(s.original_max_position > 0, op, "scaling.original_max_position must be > 0");
 }
 
 // x1 = x[:half], x2 = x[half:2 half], rotated in place by the angles whose
@@ -75,13 +75,13 @@ void check_rotary_args(const TensorView& positions, const TensorView& query, con
   require_size(op, "query", query, 0, tokens);
   require_size(op, "key", key, 0, tokens);
   require_size(op, "key", key, 2, head_dim);
-  require(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim, op,
+  PS_REQUIRE(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim, op,
           "cos_sin_cache's rotary dim must be even and in (0, head_dim = " + std::to_string(head_dim) + "], got " +
               cos_sin.describe());
   const int64_t max_position = cos_sin.size(0);
   const int32_t* pos = positions.ptr<int32_t>();
   for (int64_t t = 0; t < tokens; ++t) {
-    require(pos[t] >= 0 && pos[t] < max_position, op,
+    PS_REQUIRE(pos[t] >= 0 && pos[t] < max_position, op,
             "positions[" + std::to_string(t) + "] = " + std::to_string(pos[t]) + " is outside the cos_sin_cache [0, " +
                 std::to_string(max_position) + ")");
   }
@@ -94,8 +94,8 @@ void rope_cos_sin_cache(const TensorView& cos_sin, double theta, const RopeScali
   require_cpu_tensor(op, "cos_sin", cos_sin, 2);
   require_dtype(op, "cos_sin", cos_sin, DType::kFloat32);
   const int64_t rotary_dim = cos_sin.size(1);
-  require(rotary_dim > 0 && rotary_dim % 2 == 0, op, "rotary dim must be even and > 0, got " + cos_sin.describe());
-  require(theta > 0.0, op, "theta must be > 0, got " + std::to_string(theta));
+  PS_REQUIRE(rotary_dim > 0 && rotary_dim % 2 == 0, op, "rotary dim must be even and > 0, got " + cos_sin.describe());
+  PS_REQUIRE(theta > 0.0, op, "theta must be > 0, got " + std::to_string(theta));
   check_scaling(scaling);
 
   const int64_t half = rotary_dim / 2;

@@ -1,6 +1,5 @@
 #include "ops/tensor_view.h"
 
-#include <sstream>
 #include <stdexcept>
 
 #include "ops/dlpack.h"
@@ -12,12 +11,15 @@ namespace {
   throw std::invalid_argument(std::string(op) + ": " + message);
 }
 
+// No iostreams anywhere in the extension: a host whose compiler links its own
+// libstdc++ statically crashed formatting through a second copy's locale.
 std::string join_dims(const std::array<int64_t, TensorView::kMaxDims>& dims, int ndim) {
-  std::ostringstream out;
-  out << '[';
-  for (int d = 0; d < ndim; ++d) out << (d ? ", " : "") << dims[static_cast<size_t>(d)];
-  out << ']';
-  return out.str();
+  std::string out = "[";
+  for (int d = 0; d < ndim; ++d) {
+    if (d) out += ", ";
+    out += std::to_string(dims[static_cast<size_t>(d)]);
+  }
+  return out + "]";
 }
 
 std::string device_name(const TensorView& t) {
@@ -138,9 +140,7 @@ TensorView view_from_dlpack(const void* managed_tensor) {
   return view;
 }
 
-void require(bool ok, std::string_view op, const std::string& message) {
-  if (!ok) fail(op, message);
-}
+void fail_argument(std::string_view op, const std::string& message) { fail(op, message); }
 
 void require_device(std::string_view op, std::string_view arg, const TensorView& t, Device device) {
   if (t.device != device) {

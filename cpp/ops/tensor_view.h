@@ -51,6 +51,17 @@ void require_ndim(std::string_view op, std::string_view arg, const TensorView& t
 void require_contiguous(std::string_view op, std::string_view arg, const TensorView& t);
 void require_same_dtype(std::string_view op, std::string_view arg, const TensorView& t, const TensorView& like);
 void require_size(std::string_view op, std::string_view arg, const TensorView& t, int dim, int64_t size);
-void require(bool ok, std::string_view op, const std::string& message);
+// Throws std::invalid_argument("<op>: <message>").
+[[noreturn]] void fail_argument(std::string_view op, const std::string& message);
 
 }  // namespace pagedserve::ops
+
+// PS_REQUIRE(ok, op, message): throws std::invalid_argument("<op>: <message>")
+// when ok is false. The message expression is evaluated only then, so checks
+// inside per-token loops cost one branch, not a string.
+#define PS_REQUIRE(ok, op, message)                                                 \
+  do {                                                                              \
+    if (!(ok)) [[unlikely]]                                                         \
+      ::pagedserve::ops::fail_argument((op), (message));                            \
+  } while (false)
+
