@@ -37,10 +37,13 @@ __device__ __forceinline__ void rotate_chunk(T* x, const float* cos, const float
   load_as_float(c, cos + i);
   load_as_float(s, sin + i);
   float out1[kVec], out2[kVec];
+  // HF's rounding in the model dtype (see cpp/ops/rotary.cc): cos, sin, each
+  // product and the sum rounded to T.
 #pragma unroll
   for (int e = 0; e < kVec; ++e) {
-    out1[e] = x1[e] * c[e] - x2[e] * s[e];
-    out2[e] = x2[e] * c[e] + x1[e] * s[e];
+    const float ce = round_through<T>(c[e]), se = round_through<T>(s[e]);
+    out1[e] = round_through<T>(x1[e] * ce) - round_through<T>(x2[e] * se);
+    out2[e] = round_through<T>(x2[e] * ce) + round_through<T>(x1[e] * se);
   }
   store_from_float(x + i, out1);
   store_from_float(x + half + i, out2);

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU run, in one command: build the CUDA extension, run the GPU tests
 # (and a compute-sanitizer subset), run the kernel and end-to-end benchmarks.
-# Logs, JSON and markdown land in $OUT (default ./gpu_out); a summary prints last.
+# Logs, JSON, markdown and plots land in $OUT/run (default ./gpu_out/run), packed
+# into $OUT/results.tgz at the end; a summary prints last (and $OUT/summary.txt).
 #
 #   bash scripts/gpu_check.sh                      every stage
 #   bash scripts/gpu_check.sh build optests        some stages
@@ -13,20 +14,21 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
-mkdir -p "$OUT"
+RUN=$OUT/run
+mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(env build optests sanitizer kernels engine e2e serve)
-SUMMARY=$OUT/summary.txt
+SUMMARY=$RUN/summary.txt
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 run_stage() {  # name, command...: logs to $OUT/<name>.log, records pass/fail and the time
   local name=$1; shift
   local start=$SECONDS
   echo "==> $name"
-  "$@" >"$OUT/$name.log" 2>&1
+  "$@" >"$RUN/$name.log" 2>&1
   local rc=$?
-  note "$(printf '%-10s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - start)))  $(tail -n 1 "$OUT/$name.log" | cut -c1-150)"
+  note "$(printf '%-13s rc=%-3s %4ss' "$name" "$rc" $((SECONDS - start)))  $(tail -n 1 "$RUN/$name.log" | cut -c1-150)"
   return $rc
 }
 
@@ -51,21 +53,25 @@ for stage in "${STAGES[@]}"; do
       run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest tests_py/test_cuda_ops.py -q -p no:cacheprovider -k sanitizer_subset ;;
     kernels)
-      run_stage kernels python3 bench/kernel_bench.py --out "$OUT" ;;
+      run_stage kernels python3 bench/kernel_bench.py --out "$RUN" ;;
     engine)
       run_stage engine python3 -m pytest tests_py/test_gpu_engine.py -q -p no:cacheprovider -s ;;
     e2e)
       run_stage e2e_tinyllama python3 bench/throughput.py --device cuda --shape tinyllama-1.1b \
-        --concurrency 1 16 64 256 --hf-static-max 64 --plot --out "$OUT"
+        --concurrency 1 16 64 256 --hf-static-max 64 --plot --out "$RUN"
       run_stage e2e_smollm2 python3 bench/throughput.py --device cuda --concurrency 1 16 64 256 \
-        --hf-static-max 64 --plot --out "$OUT"
-      run_stage e2e_long python3 bench/long_workload.py --device cuda --out "$OUT" ;;
+        --hf-static-max 64 --plot --out "$RUN"
+      run_stage e2e_long python3 bench/long_workload.py --device cuda --out "$RUN"
+      run_stage step_timing python3 bench/step_timing.py --shape tinyllama-1.1b --batch 1 64 256 --out "$RUN"
+      run_stage step_timing_smol python3 bench/step_timing.py --shape default --batch 64 --out "$RUN" ;;
     serve)
-      run_stage serve bash scripts/gpu_serve_bench.sh "$OUT" ;;
+      run_stage serve bash scripts/gpu_serve_bench.sh "$RUN" ;;
     *)
       note "unknown stage $stage" ;;
   esac
 done
+tar czf "$OUT/results.tgz" -C "$RUN" .
+cp "$SUMMARY" "$OUT/summary.txt"
 echo
-echo "==== summary ($OUT)"
+echo "==== summary ($OUT/results.tgz)"
 cat "$SUMMARY"

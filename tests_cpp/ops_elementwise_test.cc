@@ -183,9 +183,12 @@ void rotary_oracle_check(const HostTensor<T>& before, const HostTensor<T>& after
       const int64_t base = (t * heads + h) * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) expected[static_cast<size_t>(base + d)] = as_double(before[base + d]);
       for (int64_t i = 0; i < half; ++i) {
+        // HF's apply_rotary_pos_emb in the model dtype: cos, sin and each product rounded to T.
+        const auto r = [](double v) { return as_double(from_float<T>(static_cast<float>(v))); };
         const double x1 = as_double(before[base + i]), x2 = as_double(before[base + half + i]);
-        expected[static_cast<size_t>(base + i)] = x1 * cos[i] - x2 * cos[half + i];
-        expected[static_cast<size_t>(base + half + i)] = x2 * cos[i] + x1 * cos[half + i];
+        const double c = r(cos[i]), s = r(cos[half + i]);
+        expected[static_cast<size_t>(base + i)] = r(x1 * c) - r(x2 * s);
+        expected[static_cast<size_t>(base + half + i)] = r(x2 * c) + r(x1 * s);
       }
       for (int64_t d = 2 * half; d < head_dim; ++d) {
         ASSERT_EQ(as_double(after[base + d]), as_double(before[base + d])) << "dims past the rotary dim changed";

@@ -51,7 +51,17 @@ def test_random_weight_models_match_the_cpu_path_in_float32(tmp_path, arch):
     cpu = token_ids(LLM(str(path), dtype="float32", device="cpu").generate(prompts, greedy(24), use_tqdm=False))
     for eager in (True, False):  # eager kernels and CUDA-graph replay
         gpu = LLM(str(path), dtype="float32", device="cuda", enforce_eager=eager, gpu_memory_utilization=0.3)
-        assert token_ids(gpu.generate(prompts, greedy(24), use_tqdm=False)) == cpu, f"enforce_eager={eager}"
+        got = token_ids(gpu.generate(prompts, greedy(24), use_tqdm=False))
+        release(gpu)
+        assert got == cpu, f"enforce_eager={eager}"
+
+
+def release(llm) -> None:
+    """Frees an engine's GPU memory so the next one in this process can size its KV cache."""
+    import gc
+    del llm.llm_engine
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
@@ -69,26 +79,43 @@ def smollm2_prompts(default_model_path):
     return ids
 
 
+def _hf_greedy(hf, prompts, n_tokens):
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p], device="cuda")
+            outs.append(hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens,
+                                    min_new_tokens=n_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist())
+    return outs
+
+
 def test_smollm2_bf16_agrees_with_transformers_on_the_same_gpu(default_model_path, smollm2_prompts):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.bfloat16).cuda().eval()
+    hf32 = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).cuda().eval()
     llm = LLM(str(default_model_path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.5)
     ours = token_ids(llm.generate([{"prompt_token_ids": p} for p in smollm2_prompts], greedy(16), use_tqdm=False))
-    agree = 0
+    want = _hf_greedy(hf, smollm2_prompts, 16)
+    agree = sum(a == b for a, b in zip(ours, want))
+    hf_self = sum(a == b for a, b in zip(want, _hf_greedy(hf32, smollm2_prompts, 16)))
+    # First-step logits of every prompt: ours through the paged path vs transformers', both bf16;
+    # transformers' own bf16 error against float32 is the yardstick for "bf16 tolerance".
+    errs, errs_fp32, hf_errs = [], [], []
     with torch.inference_mode():
-        for p, got in zip(smollm2_prompts, ours):
+        for p in smollm2_prompts:
             ids = torch.tensor([p], device="cuda")
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                               do_sample=False, pad_token_id=0)[0, len(p):].tolist()
-            agree += got == want
-        # First-step logits: ours through the paged path vs transformers', both bf16.
-        p = smollm2_prompts[0]
-        hf_logits = hf(torch.tensor([p], device="cuda")).logits[0, -1].float()
-    ours_logits = _first_step_logits(llm, p)
-    rel = (ours_logits - hf_logits).norm() / hf_logits.norm()
-    print(f"greedy agreement {agree}/32, first-step logits relative error {rel:.2e}")
+            ref = hf32(ids).logits[0, -1].float()
+            theirs = hf(ids).logits[0, -1].float()
+            mine = _first_step_logits(llm, p)
+            errs.append(((mine - theirs).norm() / theirs.norm()).item())
+            errs_fp32.append(((mine - ref).norm() / ref.norm()).item())
+            hf_errs.append(((theirs - ref).norm() / ref.norm()).item())
+    ours_vs_fp32 = max(errs_fp32)
+    print(f"greedy agreement with transformers bf16: {agree}/32 (transformers bf16 vs its own float32: "
+          f"{hf_self}/32); first-step logits: max relative error vs transformers bf16 {max(errs):.2e}, "
+          f"ours vs float32 {ours_vs_fp32:.2e}, transformers bf16 vs float32 {max(hf_errs):.2e}")
     assert agree >= 29, f"only {agree}/32 prompts agree on the first 16 tokens"
-    assert rel < 2e-2
+    assert ours_vs_fp32 < 2 * max(hf_errs) + 1e-3, "further from transformers than bf16 rounding explains"
 
 
 def _first_step_logits(llm, prompt):
@@ -113,11 +140,12 @@ def test_engine_features_keep_greedy_outputs_on_gpu(default_model_path, smollm2_
     prompts = [{"prompt_token_ids": p} for p in smollm2_prompts]
     base = LLM(str(default_model_path), dtype="float32", device="cuda", gpu_memory_utilization=0.4)
     want = token_ids(base.generate(prompts, greedy(24), use_tqdm=False))
-    del base
+    release(base)
     llm = LLM(str(default_model_path), dtype="float32", device="cuda", gpu_memory_utilization=0.4, **options)
     got = token_ids(llm.generate(prompts, greedy(24), use_tqdm=False))
-    assert got == want
     stats = llm.llm_engine.stats()
+    release(llm)
+    assert got == want
     if "num_kv_blocks" in options:
         assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_blocks"]
@@ -135,3 +163,4 @@ def test_parallel_sampling_on_gpu_matches_single_greedy(default_model_path, smol
     a = llm.generate(prompts[:2], seeded, use_tqdm=False)
     b = llm.generate(prompts[:2], seeded, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
+    release(llm)

@@ -49,14 +49,19 @@ void check_scaling(const RopeScaling& s) {
 
 // x1 = x[:half], x2 = x[half:2 half], rotated in place by the angles whose
 // cosines and sines are cos[:half], sin[:half].
+// Rounds like HF's apply_rotary_pos_emb in the model dtype: cos and sin are
+// rounded to T, and each product and the sum are rounded to T (identity for
+// float32), so a reduced-precision model rotates exactly as transformers does.
 template <typename T>
 PS_ALWAYS_INLINE void rotate_head(T* x, const float* cos, const float* sin, int64_t half) {
   T* x2 = x + half;
   for (int64_t i = 0; i < half; ++i) {
     const float a = to_float(x[i]);
     const float b = to_float(x2[i]);
-    x[i] = from_float<T>(a * cos[i] - b * sin[i]);
-    x2[i] = from_float<T>(b * cos[i] + a * sin[i]);
+    const float c = round_to<T>(cos[i]);
+    const float s = round_to<T>(sin[i]);
+    x[i] = from_float<T>(round_to<T>(a * c) - round_to<T>(b * s));
+    x2[i] = from_float<T>(round_to<T>(b * c) + round_to<T>(a * s));
   }
 }
 

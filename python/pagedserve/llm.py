@@ -59,7 +59,7 @@ class LLM:
             for prompt, p in zip(prompts, params):
                 rid = str(self._counter)
                 self._counter += 1
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, stream=False)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)
@@ -80,7 +80,6 @@ class LLM:
         engine = self.llm_engine
         pending = set(request_ids)
         finals: dict[str, RequestOutput] = {}
-        requests = {rid: engine.requests[rid] for rid in request_ids}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -90,7 +89,7 @@ class LLM:
                 for out in engine.step():
                     if out.finished and out.request_id in pending:
                         pending.discard(out.request_id)
-                        finals[out.request_id] = requests[out.request_id].final_output()
+                        finals[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
         except BaseException:

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from pagedserve import ops
+from pagedserve.sampler import PendingSamples
 from pagedserve.step_inputs import StepInputs
 
 
@@ -28,13 +29,17 @@ class ModelRunner:
         self.workspace: Optional[torch.Tensor] = None
 
     @torch.inference_mode()
-    def execute(self, step, rows):
-        """Runs `step` (a _core.StepOutput) and samples `rows` (one SamplingRow per sample row)."""
+    def execute_async(self, step, rows) -> PendingSamples:
+        """Queues `step` (a _core.StepOutput) and the sampling of `rows` (one SamplingRow
+        per sample row) on the device; the result arrives with PendingSamples.result()."""
         if step.block_copies.shape[0]:
             copies = torch.from_numpy(step.block_copies.copy()).to(self.device, non_blocking=True)
             ops.copy_blocks(self.kv_cache, copies)
         logits = self.compute_logits(step)
-        return self.sampler(logits, rows)
+        return self.sampler.launch(logits, rows)
+
+    def execute(self, step, rows):
+        return self.execute_async(step, rows).result()
 
     def compute_logits(self, step) -> torch.Tensor:
         graph = self.graphs.lookup(step) if self.graphs is not None else None

@@ -18,7 +18,7 @@ device-to-host copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -50,6 +50,37 @@ class SamplerOutput:
     logprobs: Optional[list[Optional[SampleLogprobs]]]  # per sample; None: nobody asked
 
 
+class PendingSamples:
+    """Sampled ids on their way to the host: one non-blocking copy into pinned
+    memory, so the caller can do host work while the device finishes the step."""
+
+    def __init__(self, host: Optional[torch.Tensor], event, finish: Callable[[np.ndarray], SamplerOutput],
+                 output: Optional[SamplerOutput] = None):
+        self._host, self._event, self._finish, self._output = host, event, finish, output
+
+    @classmethod
+    def ready(cls, output: SamplerOutput) -> "PendingSamples":
+        return cls(None, None, lambda host: output, output)
+
+    @classmethod
+    def copy(cls, device_ints: torch.Tensor, finish: Callable[[np.ndarray], SamplerOutput]) -> "PendingSamples":
+        """The single device-to-host copy of a step's results."""
+        if device_ints.device.type != "cuda":
+            return cls(device_ints, None, finish)
+        host = torch.empty(device_ints.shape, dtype=device_ints.dtype, pin_memory=True)
+        host.copy_(device_ints, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event, finish)
+
+    def result(self) -> SamplerOutput:
+        if self._output is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._output = self._finish(self._host.numpy())
+        return self._output
+
+
 class Sampler:
     def __init__(self, device: torch.device | str, vocab_size: int, eos_token_ids: Sequence[int],
                  seed: Optional[int] = None):
@@ -77,14 +108,21 @@ class Sampler:
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return self.launch(logits, rows).result()
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> "PendingSamples":
+        """Queues the sampling on the logits' device; result() waits for the ids on the host."""
         self._check_inputs(logits, rows)
         logits = logits[:, :self.vocab_size]
         if not rows:
-            return SamplerOutput(token_ids=[], logprobs=None)
+            return PendingSamples.ready(SamplerOutput(token_ids=[], logprobs=None))
         if self._is_plain_greedy(rows):
-            ids = logits.argmax(dim=-1).tolist()
-            return SamplerOutput([t for t, row in zip(ids, rows) for _ in range(row.num_samples)],
-                                 logprobs=None)
+            counts = [row.num_samples for row in rows]
+            expand = any(n != 1 for n in counts)
+            return PendingSamples.copy(
+                logits.argmax(dim=-1).to(torch.int32),
+                lambda host: SamplerOutput([t for t, n in zip(host.tolist(), counts) for _ in range(n)]
+                                           if expand else host.tolist(), logprobs=None))
         batch = build_sampling_batch(rows, self.vocab_size, self.eos_token_ids, self.device)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs is not None else None
@@ -93,7 +131,12 @@ class Sampler:
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         token_ids = self._sample(logits, batch)
-        return self._to_host(token_ids, raw_logprobs, batch)
+        if raw_logprobs is None:
+            return PendingSamples.copy(token_ids.to(torch.int32),
+                                       lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None))
+        assert batch.max_logprobs is not None
+        packed = _pack_logprobs(token_ids, raw_logprobs, batch.max_logprobs, batch)
+        return PendingSamples.copy(packed, lambda host: _unpack_logprobs(host, batch))
 
     # -- sampling -------------------------------------------------------------------
 
@@ -126,17 +169,6 @@ class Sampler:
     @staticmethod
     def _per_sample(per_row: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return per_row if batch.sample_rows is None else per_row[batch.sample_rows]
-
-    # -- results --------------------------------------------------------------------
-
-    def _to_host(self, token_ids: torch.Tensor, raw_logprobs: Optional[torch.Tensor],
-                 batch: SamplingBatch) -> SamplerOutput:
-        if raw_logprobs is None:
-            return SamplerOutput(token_ids=token_ids.tolist(), logprobs=None)
-        assert batch.max_logprobs is not None
-        packed = _pack_logprobs(token_ids, raw_logprobs, batch.max_logprobs, batch)
-        host = packed.cpu().numpy()  # the single device-to-host copy
-        return _unpack_logprobs(host, batch)
 
     # -- checks ---------------------------------------------------------------------
 

@@ -153,5 +153,5 @@ class Worker:
     def encode(self, text: str) -> list[int]:
         return encode_prompt(self.tokenizer, text)
 
-    def execute(self, step, rows):
-        return self.runner.execute(step, rows)
+    def execute_async(self, step, rows):
+        return self.runner.execute_async(step, rows)

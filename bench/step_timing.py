@@ -1,0 +1,79 @@
+"""Where a decode step's time goes on a GPU: device time of the step's work
+(block copies, forward or graph replay, logits, sampling: CUDA events around it)
+against the wall time of a whole engine step. Host work the engine does not
+overlap with the device shows as wall minus device.
+
+    python bench/step_timing.py --shape tinyllama-1.1b --batch 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import markdown_table, save  # noqa: E402
+from model_shapes import shape_dir  # noqa: E402
+
+
+def measure(shape: str | None, batch: int, steps: int) -> dict:
+    from pagedserve import LLMEngine, SamplingParams
+    from pagedserve.default_model import default_model_dir
+    model_dir, load_format = (shape_dir(shape), "dummy") if shape else (default_model_dir(), "auto")
+    engine = LLMEngine(model=str(model_dir), load_format=load_format, dtype="bfloat16", device="cuda",
+                       max_num_seqs=max(batch, 8), max_model_len=1024)
+    worker = engine.worker
+    device_ms: list[float] = []
+    launch = worker.execute_async
+
+    def timed_launch(step, rows):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        pending = launch(step, rows)
+        end.record()
+        timed_launch.events.append((start, end, step.num_decodes == step.num_seqs))
+        return pending
+    timed_launch.events = []
+    worker.execute_async = timed_launch
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), {"prompt_token_ids": [100 + i + j for j in range(24)]}, params, stream=False)
+    for _ in range(4):  # prefill and warm up
+        engine.step()
+    timed_launch.events.clear()
+    wall = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        wall.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    device_ms = [s.elapsed_time(e) for s, e, decode in timed_launch.events if decode]
+    engine.abort_request([str(i) for i in range(batch)])
+    wall_ms, gpu_ms = statistics.median(wall), statistics.median(device_ms)
+    return {"model": shape or model_dir.name, "batch": batch, "wall_ms_per_step": wall_ms,
+            "device_ms_per_step": gpu_ms, "host_not_overlapped_ms": max(0.0, wall_ms - gpu_ms),
+            "host_share_of_device_time": max(0.0, wall_ms - gpu_ms) / gpu_ms}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="tinyllama-1.1b", help="dummy shape, or 'default' for SmolLM2-135M")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    shape = None if args.shape == "default" else args.shape
+    rows = [measure(shape, b, args.steps) for b in args.batch]
+    table = markdown_table(rows, list(rows[0]))
+    print(table)
+    save(f"step_timing_{args.shape}", {"rows": rows}, "## Decode step: wall time vs device time\n\n" + table,
+         args.out)
+
+
+if __name__ == "__main__":
+    main()
