@@ -173,7 +173,10 @@ def launch_server(serve_args: list[str]) -> tuple[subprocess.Popen, str]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *serve_args]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "python"), env.get("PYTHONPATH")) if p)
+    import pagedserve
+    source = str(Path(pagedserve.__file__).resolve().parents[1])
+    if source == str(ROOT / "python"):  # running from the tree (a dev build): so does the server
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
     process = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900

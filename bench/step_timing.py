@@ -53,7 +53,7 @@ def measure(shape: str | None, batch: int, steps: int) -> dict:
         wall.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize()
     device_ms = [s.elapsed_time(e) for s, e, decode in timed_launch.events if decode]
-    engine.abort_request([str(i) for i in range(batch)])
+    engine.shutdown()
     wall_ms, gpu_ms = statistics.median(wall), statistics.median(device_ms)
     return {"model": shape or model_dir.name, "batch": batch, "wall_ms_per_step": wall_ms,
             "device_ms_per_step": gpu_ms, "host_not_overlapped_ms": max(0.0, wall_ms - gpu_ms),

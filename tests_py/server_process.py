@@ -51,9 +51,12 @@ class ServerProcess:
         # One torch thread: the server shares 2 cores with the test's clients, and OpenMP's spinning
         # workers slow every step many times over when a core is taken.
         env.setdefault("OMP_NUM_THREADS", "1")
-        python_dir = str(REPO_ROOT / "python")
-        if (REPO_ROOT / "python" / "pagedserve").is_dir() and python_dir not in env.get("PYTHONPATH", ""):
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (python_dir, env.get("PYTHONPATH")) if p)
+        # The server imports the same pagedserve as the tests: the installed one, or the tree's
+        # python/ when the tests run from it (PYTHONPATH=python with a dev build).
+        import pagedserve
+        source = str(Path(pagedserve.__file__).resolve().parents[1])
+        if source == str(REPO_ROOT / "python") and source not in env.get("PYTHONPATH", "").split(os.pathsep):
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
         self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL)
         self.wait_healthy()

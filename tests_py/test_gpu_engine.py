@@ -57,11 +57,8 @@ def test_random_weight_models_match_the_cpu_path_in_float32(tmp_path, arch):
 
 
 def release(llm) -> None:
-    """Frees an engine's GPU memory so the next one in this process can size its KV cache."""
-    import gc
-    del llm.llm_engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    """Frees an engine's GPU memory so the next one in this process has the card."""
+    llm.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +91,13 @@ def test_smollm2_bf16_agrees_with_transformers_on_the_same_gpu(default_model_pat
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.bfloat16).cuda().eval()
     hf32 = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).cuda().eval()
     llm = LLM(str(default_model_path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.5)
+    try:
+        _compare_with_transformers(llm, hf, hf32, smollm2_prompts)
+    finally:
+        release(llm)
+
+
+def _compare_with_transformers(llm, hf, hf32, smollm2_prompts):
     ours = token_ids(llm.generate([{"prompt_token_ids": p} for p in smollm2_prompts], greedy(16), use_tqdm=False))
     want = _hf_greedy(hf, smollm2_prompts, 16)
     agree = sum(a == b for a, b in zip(ours, want))
@@ -114,8 +118,11 @@ def test_smollm2_bf16_agrees_with_transformers_on_the_same_gpu(default_model_pat
     print(f"greedy agreement with transformers bf16: {agree}/32 (transformers bf16 vs its own float32: "
           f"{hf_self}/32); first-step logits: max relative error vs transformers bf16 {max(errs):.2e}, "
           f"ours vs float32 {ours_vs_fp32:.2e}, transformers bf16 vs float32 {max(hf_errs):.2e}")
-    assert agree >= 29, f"only {agree}/32 prompts agree on the first 16 tokens"
-    assert ours_vs_fp32 < 2 * max(hf_errs) + 1e-3, "further from transformers than bf16 rounding explains"
+    # bf16 tolerance is what transformers' own bf16 run shows against float32: our logits may be no
+    # further from float32 than that, and our greedy text may disagree with transformers bf16 on at
+    # most a few more prompts than transformers bf16 disagrees with itself in float32.
+    assert ours_vs_fp32 < 1.5 * max(hf_errs) + 1e-3, "further from float32 than bf16 rounding explains"
+    assert agree >= min(29, hf_self) - 3, f"only {agree}/32 prompts agree on the first 16 tokens"
 
 
 def _first_step_logits(llm, prompt):

@@ -249,6 +249,11 @@ PS_ALWAYS_INLINE void attend_work_item(const AttentionBatch<T>& b, const Attenti
       s.row_rescale[i] = attention_detail::softmax_tile_row(s.probs.data() + r * kKeyTile, static_cast<int>(visible),
                                                             s.row_max[i], s.row_sum[i]);
     }
+    if constexpr (!std::is_same_v<T, float>) {
+      // Like FlashAttention and torch's SDPA in 16-bit models: the running sum
+      // uses float32 probabilities, the value product probabilities rounded to T.
+      for (int64_t k = 0; k < rows * kKeyTile; ++k) s.probs[static_cast<size_t>(k)] = round_to<T>(s.probs[static_cast<size_t>(k)]);
+    }
     attention_detail::fold_values(s, rows, d_size, count);
   }
 

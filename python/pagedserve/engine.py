@@ -252,6 +252,19 @@ class LLMEngine:
             entry.setdefault(tid, Logprob(value, rank, decode([tid])))
         return entry
 
+    def shutdown(self) -> None:
+        """Aborts what is left and frees the device memory (weights, KV cache, CUDA graphs) now,
+        rather than whenever the garbage collector gets to it."""
+        self.abort_request(list(self.requests))
+        device = self.worker.device
+        del self.worker
+        self.scheduler = None
+        import gc
+        gc.collect()
+        if device.type == "cuda":
+            import torch
+            torch.cuda.empty_cache()
+
     def stats(self) -> dict:
         s = self.scheduler.stats()
         s["num_prompt_tokens_total"] = self.num_prompt_tokens_total

@@ -20,20 +20,25 @@ GRAPH_RESERVE_BYTES = 512 << 20
 
 
 def kv_cache_budget_bytes(run_worst_case_step: Callable[[], None], gpu_memory_utilization: float,
-                          device: torch.device) -> int:
+                          device: torch.device, baseline_bytes: int = 0) -> int:
+    """baseline_bytes: what torch held before this engine loaded its weights
+    (another engine in the process, say), which is not this engine's."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    resident = torch.cuda.memory_allocated(device)  # weights and other long-lived tensors
+    allocated = torch.cuda.memory_allocated(device)
+    resident = allocated - baseline_bytes  # this engine's weights and long-lived tensors
     run_worst_case_step()
     torch.cuda.synchronize(device)
-    activations = torch.cuda.max_memory_allocated(device) - resident
+    activations = torch.cuda.max_memory_allocated(device) - allocated
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     outside_torch = max(0, total - free - torch.cuda.memory_reserved(device))
     budget = int(total * gpu_memory_utilization) - resident - activations - outside_torch - GRAPH_RESERVE_BYTES
+    # Never more than is actually free (other engines or processes on the card).
+    budget = min(budget, free - activations - GRAPH_RESERVE_BYTES)
     logger.info("GPU memory: %.2f GiB total, weights %.2f GiB, peak activations %.2f GiB, outside torch %.2f GiB "
                 "-> KV cache %.2f GiB", total / 2**30, resident / 2**30, activations / 2**30,
                 outside_torch / 2**30, budget / 2**30)

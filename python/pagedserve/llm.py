@@ -35,6 +35,10 @@ class LLM:
         self.llm_engine = LLMEngine(config)
         self._counter = 0
 
+    def shutdown(self) -> None:
+        """Frees the engine's device memory now (see LLMEngine.shutdown)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -62,6 +62,7 @@ class Worker:
         mc = self.model_config
         has_tokenizer = any((self.model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = load_tokenizer(self.model_dir) if has_tokenizer else None
+        self._baseline_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = build_model(mc, self.device, load_format=config.load_format, seed=config.seed)
 
         cuda = self.device.type == "cuda"
@@ -115,7 +116,7 @@ class Worker:
         elif self.device.type == "cuda":
             from pagedserve.gpu_memory import kv_cache_budget_bytes
             budget = kv_cache_budget_bytes(lambda: self._run_worst_case_step(max_model_len),
-                                           self.config.gpu_memory_utilization, self.device)
+                                           self.config.gpu_memory_utilization, self.device, self._baseline_bytes)
             return max(1, int(budget // per_block))  # a GPU keeps every spare block for the prefix cache
         else:
             budget = CPU_KV_CACHE_GB * 2**30
