@@ -72,4 +72,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 // float32 partial outputs plus a running max and sum per (row, head, partition).
 size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_seq_len);
 
+// Gumbel-max sampling, one token per row; see cpp/ops/ops.h.
+void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature, uint64_t seed,
+                   cudaStream_t stream);
+
 }  // namespace pagedserve::cuda

@@ -151,6 +151,18 @@ void bind_ops(py::module_& m) {
       py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
       "Causal paged attention over a mixed varlen batch (see cpp/ops/ops.h).");
 
+  m.def(
+      "sample_tokens",
+      [](const py::capsule& out, const py::capsule& logits, const py::capsule& inv_temperature, uint64_t seed) {
+        const OpArgs arg{"sample_tokens"};
+        const TensorView o = arg(out, "out"), x = arg(logits, "logits"), t = arg(inv_temperature, "inv_temperature");
+        py::gil_scoped_release release;
+        ops::sample_tokens(o, x, t, seed);
+      },
+      py::arg("out"), py::arg("logits"), py::arg("inv_temperature"), py::arg("seed"),
+      "Gumbel-max sampling of one token per row: argmax(logits * inv_temperature + gumbel noise); "
+      "rows with inv_temperature <= 0 are greedy.");
+
   m.def("set_num_threads", &ops::set_num_threads, py::arg("num_threads"),
         "Threads the CPU ops may use (the caller's thread included).");
   m.def("num_threads", &ops::num_threads);

@@ -9,6 +9,8 @@
 // and on the CPU. Bad arguments throw std::invalid_argument.
 #pragma once
 
+#include <cstdint>
+
 #include "tensor_view.h"
 
 namespace pagedserve::ops {
@@ -63,6 +65,15 @@ void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies);
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,
                      const TensorView& query_start_loc, const TensorView& seq_lens, float scale);
+
+// Samples one token per row in one pass over the logits:
+//   out[r] = argmax_v (logits[r, v] * inv_temperature[r] + gumbel(key_r, v))
+// with key_r = gumbel_row_key(seed, r) and Gumbel noise from gumbel_noise.h:
+// a draw from softmax(logits[r] / T) (the Gumbel-max trick). Rows with
+// inv_temperature <= 0 are greedy: the plain argmax. Ties go to the lowest id.
+// out: [R] int32; logits: [R, V] float; inv_temperature: [R] float32.
+void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
+                   uint64_t seed);
 
 // Threads the ops may use (default: hardware concurrency). Small problems run inline.
 void set_num_threads(int num_threads);

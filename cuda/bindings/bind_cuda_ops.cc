@@ -94,6 +94,17 @@ void bind_cuda_ops(py::module_& m) {
       py::arg("out"), py::arg("x"), py::arg("stream"), "out = silu(x[:, :I]) * x[:, I:].");
 
   m.def(
+      "sample_tokens",
+      [](const py::capsule& out, const py::capsule& logits, const py::capsule& inv_temperature, uint64_t seed,
+         std::uintptr_t stream) {
+        const Borrower arg{"sample_tokens"};
+        cuda::sample_tokens(arg(out, "out"), arg(logits, "logits"), arg(inv_temperature, "inv_temperature"), seed,
+                            as_stream(stream));
+      },
+      py::arg("out"), py::arg("logits"), py::arg("inv_temperature"), py::arg("seed"), py::arg("stream"),
+      "Gumbel-max sampling of one token per row (see cpp/ops/ops.h).");
+
+  m.def(
       "reshape_and_cache",
       [](const py::capsule& key, const py::capsule& value, const py::capsule& key_cache, const py::capsule& value_cache,
          const py::capsule& slot_mapping, std::uintptr_t stream) {

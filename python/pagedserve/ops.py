@@ -29,6 +29,7 @@ __all__ = [
     "set_num_threads",
     "num_threads",
     "cpu_isa",
+    "sample_tokens",
 ]
 
 
@@ -169,6 +170,14 @@ def paged_attention_workspace(num_seqs: int, num_heads: int, head_dim: int, max_
         return None
     nbytes = _core.cuda_ops.paged_attention_workspace_bytes(num_seqs, num_heads, head_dim, max_seq_len)
     return torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=device)
+
+
+def sample_tokens(out: torch.Tensor, logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int) -> None:
+    """out[r] = argmax_v(logits[r, v] * inv_temperature[r] + gumbel noise(seed, r, v)): a draw from
+    softmax(logits[r] / T) in one pass over the logits; inv_temperature[r] <= 0 means greedy.
+    out: [R] int32; logits: [R, V]; inv_temperature: [R] float32; seed: 0 <= seed < 2**64."""
+    backend, tail = _backend(logits)
+    backend.sample_tokens(_dl(out), _dl(logits), _dl(inv_temperature), seed, *tail)
 
 
 def set_num_threads(num_threads: int) -> None:

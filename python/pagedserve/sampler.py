@@ -17,12 +17,14 @@ device-to-host copy.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
+from pagedserve import ops
 from pagedserve.sampling_ops import (apply_min_p_, apply_min_tokens, apply_penalties,
                                      apply_top_k_top_p_, exponential_race)
 from pagedserve.sampling_params import SamplingParams
@@ -94,6 +96,9 @@ class Sampler:
             self.generator.seed()
         else:
             self.generator.manual_seed(seed)
+        # Seeds for the fused Gumbel-max path (ops.sample_tokens): drawn on the host, so no
+        # generator state lives on the device and one seed per step covers every row.
+        self._step_seeds = random.Random(seed)
 
     def generator_for(self, params: SamplingParams,
                       sample_index: int = 0) -> Optional[torch.Generator]:
@@ -116,6 +121,8 @@ class Sampler:
         logits = logits[:, :self.vocab_size]
         if not rows:
             return PendingSamples.ready(SamplerOutput(token_ids=[], logprobs=None))
+        if self._is_plain_temperature(rows):
+            return self._launch_gumbel_max(logits, rows)
         if self._is_plain_greedy(rows):
             counts = [row.num_samples for row in rows]
             expand = any(n != 1 for n in counts)
@@ -171,6 +178,31 @@ class Sampler:
         return per_row if batch.sample_rows is None else per_row[batch.sample_rows]
 
     # -- checks ---------------------------------------------------------------------
+
+    def _launch_gumbel_max(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> "PendingSamples":
+        """Temperature sampling (greedy rows included) in one pass over the logits, which may stay
+        in the model's dtype: Gumbel-max with noise hashed from a per-step seed."""
+        inv_t = torch.tensor([0.0 if row.params.greedy else 1.0 / row.params.temperature for row in rows],
+                             dtype=torch.float32)
+        out = torch.empty(len(rows), dtype=torch.int32, device=logits.device)
+        ops.sample_tokens(out, logits.contiguous(), inv_t.to(logits.device, non_blocking=True),
+                          self._step_seeds.getrandbits(64))
+        return PendingSamples.copy(out, lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None))
+
+    def _is_plain_temperature(self, rows: Sequence[SamplingRow]) -> bool:
+        """True when every row is one unseeded (or greedy) draw from softmax(logits / T):
+        no truncation, penalties, logprobs, parallel samples or min_tokens masking."""
+        for row in rows:
+            p = row.params
+            if row.num_samples != 1 or p.has_penalties or p.logprobs is not None:
+                return False
+            if len(row.output_token_ids) < p.min_tokens and (p.stop_token_ids or self.eos_token_ids):
+                return False
+            if p.greedy:
+                continue
+            if row.generator is not None or p.top_k_enabled or p.top_p < 1.0 or p.min_p > 0.0:
+                return False
+        return True
 
     def _is_plain_greedy(self, rows: Sequence[SamplingRow]) -> bool:
         """True when the whole step is one argmax: no penalties, logprobs or min_tokens."""

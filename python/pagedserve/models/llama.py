@@ -117,7 +117,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The runner's entry point: forward -> final hidden states, compute_logits -> float32 logits."""
+    """The runner's entry point: forward -> final hidden states, compute_logits -> logits."""
 
     # Checkpoint tensors merged into one parameter at load time (see pagedserve.weights).
     packed_modules = {
@@ -144,6 +144,6 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, H] -> float32 logits [R, vocab]."""
+        """hidden [R, H] -> logits [R, vocab] in the model's dtype (the sampler upcasts if it must)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, weight)

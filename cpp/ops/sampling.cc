@@ -1,0 +1,64 @@
+// sample_tokens: Gumbel-max sampling, one pass over each row's logits.
+#include <cmath>
+#include <limits>
+
+#include "ops/dispatch.h"
+#include "ops/float_types.h"
+#include "ops/gumbel_noise.h"
+#include "ops/op_checks.h"
+#include "ops/ops.h"
+#include "ops/parallel.h"
+
+namespace pagedserve::ops {
+namespace {
+
+template <typename T>
+int32_t sample_row(const T* logits, int64_t vocab, float inv_temperature, uint64_t key) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_id = 0;
+  if (inv_temperature <= 0.0f) {  // greedy
+    for (int64_t v = 0; v < vocab; ++v) {
+      const float x = to_float(logits[v]);
+      if (x > best) {
+        best = x;
+        best_id = v;
+      }
+    }
+    return static_cast<int32_t>(best_id);
+  }
+  for (int64_t v = 0; v < vocab; ++v) {
+    const float gumbel = -std::log(-std::log(uniform_open(key, v)));
+    // One fused multiply-add, as the CUDA kernel does, so both round alike.
+    const float score = std::fma(to_float(logits[v]), inv_temperature, gumbel);
+    if (score > best) {
+      best = score;
+      best_id = v;
+    }
+  }
+  return static_cast<int32_t>(best_id);
+}
+
+}  // namespace
+
+void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
+                   uint64_t seed) {
+  constexpr std::string_view op = "sample_tokens";
+  require_cpu_float(op, "logits", logits, 2);
+  require_cpu_int32(op, "out", out, 1);
+  require_cpu_tensor(op, "inv_temperature", inv_temperature, 1);
+  require_dtype(op, "inv_temperature", inv_temperature, DType::kFloat32);
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  require_size(op, "out", out, 0, rows);
+  require_size(op, "inv_temperature", inv_temperature, 0, rows);
+  PS_REQUIRE(vocab > 0, op, "logits must have at least one column");
+  const float* inv_t = inv_temperature.ptr<const float>();
+  int32_t* ids = out.ptr<int32_t>();
+  dispatch_float(logits.dtype, op, [&]<typename T>() {
+    const T* base = logits.ptr<const T>();
+    parallel_run(rows * vocab).for_each(rows, [&](int64_t r, int) {
+      ids[r] = sample_row(base + r * vocab, vocab, inv_t[r], gumbel_row_key(seed, r));
+    });
+  });
+}
+
+}  // namespace pagedserve::ops

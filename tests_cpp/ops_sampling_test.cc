@@ -1,0 +1,93 @@
+// sample_tokens against plain loops: greedy rows are the argmax, and the
+// Gumbel-max draws follow softmax(logits / T).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "ops/float_types.h"
+#include "ops/ops.h"
+#include "ops_test_util.h"
+
+namespace pagedserve::ops {
+namespace {
+
+using testing::HostTensor;
+
+// Draws `rows` samples of the same logits row under `seed`.
+std::vector<int32_t> draw(const std::vector<float>& row, int rows, float temperature, uint64_t seed) {
+  const auto vocab = static_cast<int64_t>(row.size());
+  HostTensor<float> logits({rows, vocab});
+  for (int r = 0; r < rows; ++r) std::copy(row.begin(), row.end(), logits.data.begin() + r * vocab);
+  HostTensor<float> inv_t({rows});
+  std::fill(inv_t.data.begin(), inv_t.data.end(), temperature > 0 ? 1.0f / temperature : 0.0f);
+  HostTensor<int32_t> out({rows});
+  sample_tokens(out.view(), logits.view(), inv_t.view(), seed);
+  return out.data;
+}
+
+TEST(SampleTokens, GreedyRowsTakeTheArgmaxLowestIdOnTies) {
+  const std::vector<float> row = {0.5f, 3.0f, -1.0f, 3.0f, 2.9f};
+  for (int32_t id : draw(row, 7, 0.0f, 42)) EXPECT_EQ(id, 1);
+}
+
+TEST(SampleTokens, FollowsTheSoftmaxDistribution) {
+  const std::vector<float> logits = {0.0f, 1.0f, 2.0f, -1.0f, 0.5f};
+  const float temperature = 0.7f;
+  std::vector<double> p(logits.size());
+  double z = 0;
+  for (size_t v = 0; v < p.size(); ++v) z += p[v] = std::exp(logits[v] / temperature);
+  std::vector<int> counts(logits.size(), 0);
+  const int rows = 1000, seeds = 60;
+  for (uint64_t seed = 1; seed <= seeds; ++seed) {
+    for (int32_t id : draw(logits, rows, temperature, seed)) ++counts[static_cast<size_t>(id)];
+  }
+  const double n = rows * seeds;
+  for (size_t v = 0; v < p.size(); ++v) {
+    const double expected = n * p[v] / z;
+    const double sigma = std::sqrt(expected * (1 - p[v] / z));
+    EXPECT_NEAR(counts[v], expected, 5 * sigma) << "token " << v;  // 5 sigma: a false alarm every ~2 million runs
+  }
+}
+
+TEST(SampleTokens, SameSeedSameDrawsOtherSeedOtherDraws) {
+  std::vector<float> row(1000);
+  std::iota(row.begin(), row.end(), 0.0f);
+  for (float& x : row) x = std::sin(x) * 2.0f;
+  const auto a = draw(row, 64, 1.0f, 7), b = draw(row, 64, 1.0f, 7), c = draw(row, 64, 1.0f, 8);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  EXPECT_NE(std::vector<int32_t>(a.begin(), a.begin() + 32), std::vector<int32_t>(a.begin() + 32, a.end()))
+      << "rows of one step draw independent noise";
+}
+
+TEST(SampleTokens, ReducedPrecisionLogitsSampleLikeTheirFloatValues) {
+  HostTensor<BFloat16> logits({16, 300});
+  HostTensor<float> as_float({16, 300});
+  for (int64_t i = 0; i < logits.numel(); ++i) {
+    logits[i] = float_to_bf16(std::cos(static_cast<float>(i)) * 3.0f);
+    as_float[i] = bf16_to_float(logits[i]);
+  }
+  HostTensor<float> inv_t({16});
+  for (int r = 0; r < 16; ++r) inv_t[r] = r % 3 == 0 ? 0.0f : 1.3f;
+  HostTensor<int32_t> got({16}), want({16});
+  sample_tokens(got.view(), logits.view(), inv_t.view(), 99);
+  sample_tokens(want.view(), as_float.view(), inv_t.view(), 99);
+  EXPECT_EQ(got.data, want.data);
+}
+
+TEST(SampleTokens, RejectsBadArguments) {
+  HostTensor<float> logits({2, 5});
+  HostTensor<float> inv_t({2});
+  HostTensor<int32_t> out({3});
+  EXPECT_TRUE(testing::throws_invalid([&] { sample_tokens(out.view(), logits.view(), inv_t.view(), 1); },
+                                      "sample_tokens: out must have size 2"));
+  HostTensor<int32_t> ok({2});
+  HostTensor<int32_t> int_logits({2, 5});
+  EXPECT_TRUE(testing::throws_invalid([&] { sample_tokens(ok.view(), int_logits.view(), inv_t.view(), 1); },
+                                      "sample_tokens: logits"));
+}
+
+}  // namespace
+}  // namespace pagedserve::ops
