@@ -48,7 +48,7 @@ for stage in "${STAGES[@]}"; do
       run_stage build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python3 -m pip install -v --no-build-isolation --no-deps \
         -C cmake.define.USE_CUDA=ON -C build-dir=build/gpu . ;;
     optests)
-      run_stage optests python3 -m pytest tests_py/test_cuda_ops.py -q -x -p no:cacheprovider ;;
+      run_stage optests python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py -q -p no:cacheprovider ;;
     sanitizer)
       run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest tests_py/test_cuda_ops.py -q -p no:cacheprovider -k sanitizer_subset ;;
