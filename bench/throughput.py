@@ -1,11 +1,14 @@
 """Output throughput vs concurrency: pagedserve against transformers, same run.
 
 For each concurrency C, C requests (random prompt token ids, PROMPT_LEN long)
-each generate OUTPUT_LEN tokens with ignore_eos. Reported per engine: output
-tokens per second over the wall time, mean time per output token of a request,
-and peak GPU memory. transformers runs (a) one request at a time — its rate
-does not depend on C, so a sample of requests measures it — and (b) one
-statically padded batch of C.
+each generate OUTPUT_LEN tokens with ignore_eos — or, with --min-output-len,
+a length drawn uniformly from [MIN, OUTPUT_LEN] per request, as real requests
+finish at different times. Reported per engine: useful output tokens per second
+over the wall time, mean time per output token of a request, and peak GPU
+memory. transformers runs (a) one request at a time — its rate does not depend
+on C, so a sample of requests measures it — and (b) one statically padded batch
+of C, which must run until its longest request is done: tokens generated past a
+request's own length are waste and do not count.
 
     python bench/throughput.py --device cpu --concurrency 1 4 16          # the CPU issue's figure
     python bench/throughput.py --device cuda --shape tinyllama-1.1b --concurrency 1 4 16 32 64 128 256
@@ -38,6 +41,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--output-len", type=int, default=150)
+    ap.add_argument("--min-output-len", type=int, default=None,
+                    help="draw each request's output length uniformly from [MIN, --output-len]")
+    ap.add_argument("--requests-per-slot", type=int, default=1,
+                    help="K: C*K requests are served C at a time (pagedserve refills finished slots at once; "
+                         "transformers runs K static batches of C back to back)")
     ap.add_argument("--hf-sequential-requests", type=int, default=2, help="sample size for transformers one-by-one")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     ap.add_argument("--hf-static-max", type=int, default=256, help="largest static batch given to transformers")
@@ -57,6 +65,12 @@ def prompts_for(n: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list
     return rng.integers(100, min(vocab, 30000), size=(n, prompt_len)).tolist()
 
 
+def output_lens(args, n: int, seed: int = 1) -> list[int]:
+    if args.min_output_len is None:
+        return [args.output_len] * n
+    return np.random.default_rng(seed).integers(args.min_output_len, args.output_len + 1, size=n).tolist()
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -71,18 +85,30 @@ def reset_peak(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_pagedserve(args, model_dir: Path, load_format: str, dtype: str) -> tuple[list[dict], int]:
+def make_llm(args, model_dir: Path, load_format: str, dtype: str, max_seqs: int):
     from pagedserve import LLM, SamplingParams
-    max_seqs = args.max_num_seqs or max(args.concurrency)
     llm = LLM(str(model_dir), dtype=dtype, device=args.device, load_format=load_format, max_num_seqs=max_seqs,
               max_model_len=args.prompt_len + args.output_len + 16)
     vocab = llm.llm_engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts_for(2, args.prompt_len, vocab, seed=99)],
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
+    return llm, vocab
+
+
+def run_pagedserve(args, model_dir: Path, load_format: str, dtype: str) -> tuple[list[dict], int]:
+    from pagedserve import SamplingParams
+    queued = args.requests_per_slot > 1  # the batch limit must be C itself: one engine per C
+    llm = None if queued else make_llm(args, model_dir, load_format, dtype, args.max_num_seqs or max(args.concurrency))
     rows = []
     for c in args.concurrency:
-        prompts = [{"prompt_token_ids": p} for p in prompts_for(c, args.prompt_len, vocab)]
+        if queued:
+            if llm is not None:
+                llm.shutdown()
+            llm, vocab = make_llm(args, model_dir, load_format, dtype, c)
+        vocab = llm.llm_engine.model_config.vocab_size
+        n = c * args.requests_per_slot
+        prompts = [{"prompt_token_ids": p} for p in prompts_for(n, args.prompt_len, vocab)]
+        params = [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in output_lens(args, n)]
         reset_peak(args.device)
         sync(args.device)
         start = time.perf_counter()
@@ -95,10 +121,8 @@ def run_pagedserve(args, model_dir: Path, load_format: str, dtype: str) -> tuple
         rows.append({"engine": "pagedserve", "concurrency": c, "output_tok_s": tokens / wall,
                      "ms_per_output_token": tpot * 1e3, "wall_s": wall, "peak_gpu_gib": peak_gib(args.device)})
         print(f"pagedserve      C={c:4d}: {tokens / wall:10.1f} tok/s", flush=True)
-    del llm
+    llm.shutdown()
     gc.collect()
-    if args.device.startswith("cuda"):
-        torch.cuda.empty_cache()
     return rows, vocab
 
 
@@ -130,8 +154,9 @@ def run_transformers(args, model_dir: Path, load_format: str, dtype: torch.dtype
     rows = []
     reset_peak(args.device)
     seq_prompts = prompts_for(args.hf_sequential_requests, args.prompt_len, vocab)
-    seconds = sum(hf_generate(model, [p], args.output_len, args.device) for p in seq_prompts)
-    seq_rate = len(seq_prompts) * args.output_len / seconds
+    seq_lens = output_lens(args, len(seq_prompts))
+    seconds = sum(hf_generate(model, [p], n, args.device) for p, n in zip(seq_prompts, seq_lens))
+    seq_rate = sum(seq_lens) / seconds
     seq_peak = peak_gib(args.device)
     print(f"hf sequential        : {seq_rate:10.1f} tok/s", flush=True)
     for c in args.concurrency:
@@ -140,11 +165,14 @@ def run_transformers(args, model_dir: Path, load_format: str, dtype: torch.dtype
         if c > args.hf_static_max:
             continue
         reset_peak(args.device)
-        wall = hf_generate(model, prompts_for(c, args.prompt_len, vocab), args.output_len, args.device)
+        n = c * args.requests_per_slot
+        lens, prompts = output_lens(args, n), prompts_for(n, args.prompt_len, vocab)
+        wall = sum(hf_generate(model, prompts[i:i + c], max(lens[i:i + c]), args.device) for i in range(0, n, c))
+        steps = sum(max(lens[i:i + c]) for i in range(0, n, c))
         rows.append({"engine": "transformers-static-batch", "concurrency": c,
-                     "output_tok_s": c * args.output_len / wall, "ms_per_output_token": wall / args.output_len * 1e3,
+                     "output_tok_s": sum(lens) / wall, "ms_per_output_token": wall / steps * 1e3,
                      "wall_s": wall, "peak_gpu_gib": peak_gib(args.device)})
-        print(f"hf static batch C={c:4d}: {c * args.output_len / wall:10.1f} tok/s", flush=True)
+        print(f"hf static batch C={c:4d}: {sum(lens) / wall:10.1f} tok/s", flush=True)
     return rows
 
 
@@ -199,10 +227,13 @@ def main() -> None:
             "x_vs_hf_static"]
     table = markdown_table(sorted(rows, key=lambda r: (r["engine"], r["concurrency"])), cols)
     print(table)
+    lengths = f"{args.output_len}" if args.min_output_len is None else f"{args.min_output_len}..{args.output_len}"
+    queue = f", {args.requests_per_slot} requests per slot" if args.requests_per_slot > 1 else ""
     title = (f"{label} ({dtype_name}, {args.device}): prompt {args.prompt_len}, "
-             f"output {args.output_len} tokens, ignore_eos")
+             f"output {lengths} tokens, ignore_eos{queue}")
     path = save(name, {"model": label, "dtype": dtype_name, "device": args.device, "prompt_len": args.prompt_len,
-                       "output_len": args.output_len, "rows": rows}, f"## {title}\n\n{table}", args.out)
+                       "output_len": args.output_len, "min_output_len": args.min_output_len,
+                       "requests_per_slot": args.requests_per_slot, "rows": rows}, f"## {title}\n\n{table}", args.out)
     if args.plot:
         plot(rows, path.with_suffix(".png"), title)
     print(f"saved {path}")

@@ -12,25 +12,36 @@
 namespace pagedserve::ops {
 namespace {
 
+// Above the largest Gumbel value uniform_open can produce, -log(-log(1 - 2^-25))
+// = 17.33, with room for the rounding of the comparison below.
+constexpr float kMaxGumbel = 17.5f;
+
 template <typename T>
 int32_t sample_row(const T* logits, int64_t vocab, float inv_temperature, uint64_t key) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_id = 0;
-  if (inv_temperature <= 0.0f) {  // greedy
-    for (int64_t v = 0; v < vocab; ++v) {
-      const float x = to_float(logits[v]);
-      if (x > best) {
-        best = x;
-        best_id = v;
-      }
+  for (int64_t v = 0; v < vocab; ++v) {  // the argmax: the answer for greedy rows, a head start otherwise
+    const float x = to_float(logits[v]);
+    if (x > best) {
+      best = x;
+      best_id = v;
     }
-    return static_cast<int32_t>(best_id);
   }
+  if (inv_temperature <= 0.0f) return static_cast<int32_t>(best_id);
+  // The argmax's own score is a lower bound on the winner's, and no noise
+  // exceeds kMaxGumbel, so ids scoring below best - kMaxGumbel before noise
+  // cannot win: skipping their two logarithms changes nothing (most of a
+  // vocabulary sits that far below its top logits).
+  const float gumbel_at_max = -std::log(-std::log(uniform_open(key, best_id)));
+  best = std::fma(best, inv_temperature, gumbel_at_max);
+  const float cutoff = best - kMaxGumbel;
   for (int64_t v = 0; v < vocab; ++v) {
+    const float scaled = to_float(logits[v]) * inv_temperature;
+    if (scaled < cutoff || v == best_id) continue;
     const float gumbel = -std::log(-std::log(uniform_open(key, v)));
     // One fused multiply-add, as the CUDA kernel does, so both round alike.
     const float score = std::fma(to_float(logits[v]), inv_temperature, gumbel);
-    if (score > best) {
+    if (score > best || (score == best && v < best_id)) {
       best = score;
       best_id = v;
     }
