@@ -175,3 +175,15 @@ def test_cli_generate_prints_text(default_model_path):
                                capture_output=True, text=True, timeout=60).stdout
     for flag in ("--max-tokens", "--temperature", "--top-p", "--seed", "--n", "--model"):
         assert flag in help_text
+
+
+def test_cli_chat_answers_and_keeps_the_conversation(default_model_path):
+    script = "What is the capital of France?\nAnd of Germany?\n/exit\n"
+    result = subprocess.run([sys.executable, "-m", "pagedserve.cli", "chat", "--max-tokens", "24", "--device", "cpu",
+                             "--model", str(default_model_path)], input=script, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    answers = [line for line in result.stdout.split("> ") if line.strip()]
+    assert len(answers) == 2, result.stdout
+    assert "Paris" in answers[0]
+    assert "/exit" in result.stderr or "quits" in result.stderr  # the banner explains how to leave
