@@ -1,19 +1,8 @@
 #include "block_hash.h"
 
+#include "hash_mix.h"
+
 namespace pagedserve {
-namespace {
-
-// splitmix64's finalizer: a bijective 64-bit mixer with full avalanche.
-constexpr uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
-
-}  // namespace
 
 BlockHash hash_block(const BlockHash& parent, std::span<const TokenId> tokens) {
   // Two independent lanes (different multipliers and feeds) give 128 bits.

@@ -9,23 +9,11 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define PS_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define PS_HOST_DEVICE inline
-#endif
+#include "hash_mix.h"
 
 namespace pagedserve::ops {
 
-// splitmix64's finalizer: a bijective mixer with full avalanche.
-PS_HOST_DEVICE uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ULL;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebULL;
-  x ^= x >> 31;
-  return x;
-}
+using pagedserve::mix64;
 
 // The key of row `row` for a step drawn with `seed`.
 PS_HOST_DEVICE uint64_t gumbel_row_key(uint64_t seed, int64_t row) {
