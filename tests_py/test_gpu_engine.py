@@ -102,6 +102,12 @@ def _compare_with_transformers(llm, hf, hf32, smollm2_prompts):
     want = _hf_greedy(hf, smollm2_prompts, 16)
     agree = sum(a == b for a, b in zip(ours, want))
     hf_self = sum(a == b for a, b in zip(want, _hf_greedy(hf32, smollm2_prompts, 16)))
+    # How far two attention implementations of transformers itself, both bf16, agree: the noise floor.
+    from transformers import AutoModelForCausalLM
+    hf_eager = AutoModelForCausalLM.from_pretrained(llm.llm_engine.worker.model_dir, dtype=torch.bfloat16,
+                                                    attn_implementation="eager").cuda().eval()
+    hf_two_kernels = sum(a == b for a, b in zip(want, _hf_greedy(hf_eager, smollm2_prompts, 16)))
+    print(f"transformers bf16 sdpa vs transformers bf16 eager attention: {hf_two_kernels}/32 agree")
     # First-step logits of every prompt: ours through the paged path vs transformers', both bf16;
     # transformers' own bf16 error against float32 is the yardstick for "bf16 tolerance".
     errs, errs_fp32, hf_errs = [], [], []
