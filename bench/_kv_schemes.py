@@ -18,8 +18,8 @@ hold a token's KV.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import numpy as np
 
@@ -223,7 +223,7 @@ def _worst_sequence_waste(scheduler, block_size: int) -> int:
     """Recomputes the waste bound from each sequence's own block table (an independent check)."""
     worst = 0
     for seq_id in scheduler.running_ids:
-        seq: Optional[dict] = scheduler.sequence(seq_id)
+        seq: dict | None = scheduler.sequence(seq_id)
         if seq is None:
             continue
         waste = len(seq["block_ids"]) * block_size - len(seq["token_ids"])

@@ -31,8 +31,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _kv_schemes import (ContiguousScheme, GrowByCopyScheme, Request, SchedulingLimits, Trace,  # noqa: E402
-                         next_pow2, simulate_contiguous, simulate_paged)
+from _kv_schemes import (  # noqa: E402
+    ContiguousScheme,
+    GrowByCopyScheme,
+    Request,
+    SchedulingLimits,
+    Trace,
+    next_pow2,
+    simulate_contiguous,
+    simulate_paged,
+)
 from _report import markdown_table, save  # noqa: E402
 from model_shapes import SHAPES  # noqa: E402
 
@@ -73,7 +81,7 @@ def kv_bytes_per_token(shape: str) -> int:
 
 def make_workload(args) -> list[Request]:
     rng = np.random.default_rng(args.seed)
-    mix = ((OUTPUT_MIX[0]), OUTPUT_MIX[1], (OUTPUT_MIX[2][0], *args.long_output))
+    mix = (OUTPUT_MIX[0], OUTPUT_MIX[1], (OUTPUT_MIX[2][0], *args.long_output))
     classes = rng.choice(len(mix), size=args.num_requests, p=[m[0] for m in mix])
     requests = []
     for c in classes:
@@ -166,10 +174,10 @@ def main() -> None:
         r["x_seqs_vs_this"] = paged["seqs_fit"] / r["seqs_fit"]
     static = final_length_accounting(requests, limits)
     outputs = [r.output_len for r in requests]
-    workload = {"num_requests": len(requests), "prompt_len": args.prompt_len, "output_mix": [
-        {"share": OUTPUT_MIX[0][0], "range": OUTPUT_MIX[0][1:]}, {"share": OUTPUT_MIX[1][0], "range": OUTPUT_MIX[1][1:]},
-        {"share": OUTPUT_MIX[2][0], "range": args.long_output}],
-        "output_len_p10_p50_p90": [int(np.percentile(outputs, p)) for p in (10, 50, 90)],
+    mix = [(share, [lo, hi]) for share, lo, hi in OUTPUT_MIX[:2]] + [(OUTPUT_MIX[2][0], args.long_output)]
+    workload = {"num_requests": len(requests), "prompt_len": args.prompt_len,
+                "output_mix": [{"share": share, "range": rng} for share, rng in mix],
+                "output_len_p10_p50_p90": [int(np.percentile(outputs, p)) for p in (10, 50, 90)],
         "max_model_len": limits.max_model_len, "memory_tokens": limits.memory_tokens,
         "kv_bytes_per_token": bytes_per_token, "shape": args.shape, "seed": args.seed}
     sim_cols = ["scheme", "seqs_fit", "mean_running_seqs", "peak_running_seqs", "mean_reserved_gib", "mean_used_gib",

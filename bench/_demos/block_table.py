@@ -16,7 +16,6 @@ from __future__ import annotations
 import string
 
 import numpy as np
-
 from _report import markdown_table
 
 BLOCK = 16

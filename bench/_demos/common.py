@@ -45,7 +45,7 @@ def make_llm(args, dtype: str | None = None, **options):
     model, load_format, _ = model_source(args)
     cuda = args.device.startswith("cuda")
     dtype = dtype or args.dtype or ("bfloat16" if cuda else "float32")
-    if cuda and "num_kv_blocks" not in options:
+    if cuda and options.get("num_kv_blocks") is None:
         options.setdefault("gpu_memory_utilization", args.gpu_memory_utilization)
     return LLM(model, dtype=dtype, device=args.device, load_format=load_format, **options)
 
@@ -116,6 +116,8 @@ class Run:
     wall_s: float
     records: list[StepRecord] = field(default_factory=list)
     stats_delta: dict = field(default_factory=dict)  # scheduler counters gained during the run
+    # Engine steps run when each request's final output came back (outputs trail tokens by up to one step).
+    finish_steps: list[int] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
@@ -137,6 +139,7 @@ def run_requests(llm, prompts: list[list[int]], params, desc: str = "requests") 
     recorder = RecordingScheduler(engine.scheduler)
     engine.scheduler = recorder
     finals: dict[str, object] = {}
+    finished_at: dict[str, int] = {}
     ids = [f"{desc}-{i}-{time.perf_counter_ns()}" for i in range(len(prompts))]
     try:
         start = time.perf_counter()
@@ -147,13 +150,14 @@ def run_requests(llm, prompts: list[list[int]], params, desc: str = "requests") 
                 for out in engine.step():
                     if out.finished:
                         finals[out.request_id] = out
+                        finished_at[out.request_id] = len(recorder.records)
                         bar.update(1)
         wall = time.perf_counter() - start
     finally:
         engine.scheduler = recorder._scheduler
     after = engine.stats()
     delta = {k: after[k] - before[k] for k in COUNTERS}
-    return Run([finals[rid] for rid in ids], wall, recorder.records, delta)
+    return Run([finals[rid] for rid in ids], wall, recorder.records, delta, [finished_at[rid] for rid in ids])
 
 
 def token_ids(outputs) -> list[list[int]]:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
-from _demos.common import add_engine_args, engine_label, make_llm, run_requests, PromptMaker, warm_up
 from _report import markdown_table
+
+from _demos.common import PromptMaker, add_engine_args, engine_label, make_llm, run_requests, warm_up
 
 N = 4
 BLOCK = 16
@@ -70,6 +70,7 @@ def run(args) -> tuple[str, dict, str]:
           f"({shared} full prompt blocks shared, the rest private to each sample).\n\n"
           f"{markdown_table(rows, list(rows[0]))}\n\n"
           f"Fork + copy-on-write holds **{rows[2]['peak_kv_blocks']} blocks instead of {rows[0]['peak_kv_blocks']}** "
-          f"and computes the prompt once.")
+          "and computes the prompt once. With the prefix cache on, four independent requests that arrive together "
+          "still each compute and hold the prompt: a block enters the cache only once it has been computed.")
     return "demo_parallel_sampling", {"rows": rows, "expected_independent_blocks": independent,
                                       "expected_forked_blocks": forked, "prompt_tokens": p, "max_tokens": o}, md

@@ -13,9 +13,9 @@ from __future__ import annotations
 import statistics
 
 import numpy as np
-
-from _demos.common import add_engine_args, engine_label, make_llm, run_requests, PromptMaker, token_ids, warm_up
 from _report import markdown_table
+
+from _demos.common import PromptMaker, add_engine_args, engine_label, make_llm, run_requests, token_ids, warm_up
 
 
 def add_arguments(ap) -> None:

@@ -11,9 +11,9 @@ batching frees the row the step the request ends.
 from __future__ import annotations
 
 import numpy as np
+from _report import markdown_table
 
 from _demos.common import add_engine_args, engine_label, make_llm, run_requests, warm_up
-from _report import markdown_table
 
 SHORT_QUESTIONS = ("What is 7 times 8? Reply with the number only.", "Say hello in French, one word.",
                    "Name a primary colour. One word.", "Is ice cold? Answer yes or no.")
@@ -57,6 +57,7 @@ def run(args) -> tuple[str, dict, str]:
     rows = [{"request": q[:60], "finish": o.outputs[0].finish_reason, "steps_needed": n, "static_batch_steps": spent,
              "wasted_steps": spent - n, "continuous_batch_steps": n}
             for q, o, n in zip(questions, result.outputs, needed)]
+    answers = [o.outputs[0].text[:200] for o in result.outputs]  # in the JSON: what the model actually said
     total_needed, total_spent = sum(needed), spent * len(needed)
     summary = {"batch_size": len(needed), "row_steps_needed": total_needed, "row_steps_static": total_spent,
                "static_waste_share": 1 - total_needed / total_spent,
@@ -69,4 +70,4 @@ def run(args) -> tuple[str, dict, str]:
           f"{markdown_table(rows, cols)}\n\n"
           f"Row-steps: needed {total_needed}, spent by the static batch {total_spent} "
           f"(**{summary['static_waste_share']:.0%} wasted**).")
-    return "demo_waste", {"rows": rows, "summary": summary, "max_tokens": args.max_tokens}, md
+    return "demo_waste", {"rows": rows, "answers": answers, "summary": summary, "max_tokens": args.max_tokens}, md
