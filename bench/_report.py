@@ -19,6 +19,9 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "processor": _cpu_model(),
     }
+    for var in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"):
+        if var in os.environ:
+            info[var] = os.environ[var]
     if hasattr(os, "getloadavg"):  # other work on a shared machine skews CPU timings: keep it on record
         info["load_average_1m"] = round(os.getloadavg()[0], 2)
     try:

@@ -27,7 +27,8 @@ SECTIONS = [
     ("Throughput vs concurrency", ["throughput_*", "cpu_throughput_*"]),
     ("KV memory: paged vs contiguous", ["memory*"]),
     ("Standard workload: long sequences", ["long_workload*"]),
-    ("Demos", ["demo_*"]),
+    ("Demos", ["demo_waste*", "demo_latency*", "demo_block_table*", "demo_prefix_sharing*",
+               "demo_parallel_sampling*", "demo_preemption*", "demo_*"]),
     ("Serving: OpenAI API under Poisson arrivals", ["serve*"]),
     ("Decode step: host vs device time", ["step_timing*"]),
     ("Kernels and CPU ops", ["kernel_bench*", "cpu_ops*", "cpu_dtype*", "bench_sampler*"]),
@@ -36,6 +37,7 @@ SECTIONS = [
 EXACT = ["memory*", "demo_block_table*"]  # no model runs: the same figures on any machine
 GROUPS = [("gpu", "GPU figures"), ("cpu", "CPU figures"),
           ("exact", "Exact figures (scheduler and arithmetic only, no model: the same on any machine)")]
+BODY_LEVEL = 4  # a result's own headings sit under "## group" and "### section"
 ENGINES = ("pagedserve", "transformers-static-batch", "transformers-sequential")
 
 
@@ -54,6 +56,10 @@ class Result:
 
     def matches(self, patterns: list[str]) -> bool:
         return any(fnmatch.fnmatch(self.stem, p) for p in patterns)
+
+    def order_in(self, patterns: list[str]) -> tuple[int, str]:
+        """Sorts a section's results by the first pattern they match (the section's intended order)."""
+        return next(i for i, p in enumerate(patterns) if fnmatch.fnmatch(self.stem, p)), self.rel
 
     def device(self) -> str:
         d = self.data
@@ -95,7 +101,7 @@ def link(target: Path, out_dir: Path) -> str:
 
 
 def body_of(result: Result) -> str:
-    """The markdown its script wrote, less the script's own date line, headings moved two levels down."""
+    """The markdown its script wrote, less the script's own date line, its top heading at BODY_LEVEL."""
     md = result.sibling(".md")
     if not md.exists():
         rows = result.data.get("rows")
@@ -105,7 +111,9 @@ def body_of(result: Result) -> str:
     lines = md.read_text().rstrip().splitlines()
     if lines and lines[0].startswith("_") and lines[0].endswith("_"):
         lines = lines[1:]
-    return "\n".join(("##" + line) if line.startswith("#") else line for line in lines).strip()
+    levels = [len(line) - len(line.lstrip("#")) for line in lines if line.startswith("#")]
+    shift = "#" * (BODY_LEVEL - min(levels)) if levels else ""
+    return "\n".join((shift + line) if line.startswith("#") else line for line in lines).strip()
 
 
 def render_result(result: Result, out_dir: Path) -> str:
@@ -210,7 +218,8 @@ def render(results: list[Result], out_dir: Path, plots: bool = True) -> str:
             continue
         lines += [f"## {group_title}", ""]
         for title, patterns in SECTIONS + [("Other", ["*"])]:
-            chosen = [r for r in members if r.matches(patterns) and r.rel not in placed]
+            chosen = sorted((r for r in members if r.matches(patterns) and r.rel not in placed),
+                            key=lambda r: r.order_in(patterns))
             if not chosen:
                 continue
             lines += [f"### {title}", ""]

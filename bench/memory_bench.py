@@ -194,6 +194,7 @@ def main() -> None:
           "seqs_fit = mean sequences running while requests wait (the memory is the limit); utilization = KV "
           "held / reserved, time-averaged over all steps; max_waste_per_seq in token slots (paged: checked < one "
           "block); peak_incl_copies: reserved plus old buffers alive during grow-by-copy copies; "
+          "steps = scheduler steps to serve the whole workload (fewer sequences at once, more steps); "
           "x_seqs_vs_this = pagedserve's seqs_fit / this scheme's.\n\n"
           f"### Each request's reservation at its final length\n\n{markdown_table(static, static_cols)}")
     print(md)
