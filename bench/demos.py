@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run_one(name: str, args: argparse.Namespace) -> Path:
+def run_one(name: str, args: argparse.Namespace) -> list[str]:
+    """Runs and saves one demo; returns the checks it failed (in its saved payload too)."""
     module = DEMOS[name]
     # Each demo's own defaults, then the shared options given on the command line.
     demo_args = parse_args([name])
@@ -61,13 +62,16 @@ def run_one(name: str, args: argparse.Namespace) -> Path:
     payload = {"demo": name, "quick": demo_args.quick, "device": getattr(demo_args, "device", None), **payload}
     path = save(result_name, payload, md, demo_args.out)
     print(f"saved {path}\n", flush=True)
-    return path
+    return [f"{name}: {failure}" for failure in payload.get("failures", [])]
 
 
 def main() -> None:
     args = parse_args()
+    failures = []
     for name in list(DEMOS) if args.demo == "all" else [args.demo]:
-        run_one(name, args)
+        failures += run_one(name, args)
+    if failures:
+        raise SystemExit("failed checks:\n  " + "\n  ".join(failures))
 
 
 if __name__ == "__main__":
