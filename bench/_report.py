@@ -19,10 +19,16 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "processor": _cpu_model(),
     }
+    for var in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"):
+        if var in os.environ:
+            info[var] = os.environ[var]
+    if hasattr(os, "getloadavg"):  # other work on a shared machine skews CPU timings: keep it on record
+        info["load_average_1m"] = round(os.getloadavg()[0], 2)
     try:
         import torch
 
         info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:

@@ -4,7 +4,8 @@ N requests whose prompt and output lengths are each uniform in [MIN, MAX]
 output tokens over wall time, prefill included.
 
     python bench/long_workload.py                       # GPU: 256 requests, 100..1024, Qwen3-0.6B shapes
-    python bench/long_workload.py --device cpu --quick  # CPU-sized: 16 requests, 16..64, SmolLM2-135M
+    python bench/long_workload.py --device cpu --quick  # CPU-sized: 16 requests, 16..64, Qwen3-0.6B shapes
+    python bench/long_workload.py --model DIR           # real weights from a local HF directory instead
 """
 
 from __future__ import annotations
@@ -25,29 +26,26 @@ from model_shapes import shape_dir  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shape", default=None, help="dummy-weight shape (default qwen3-0.6b on CUDA)")
+    ap.add_argument("--shape", default="qwen3-0.6b", help="dummy-weight model shape (bench/model_shapes.py)")
     ap.add_argument("--model", default=None, help="HF model dir instead of a shape")
-    ap.add_argument("--num-requests", type=int, default=256)
-    ap.add_argument("--min-len", type=int, default=100)
-    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--num-requests", type=int, default=None, help="default 256 (--quick: 16)")
+    ap.add_argument("--min-len", type=int, default=None, help="default 100 (--quick: 16)")
+    ap.add_argument("--max-len", type=int, default=None, help="default 1024 (--quick: 64)")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="CPU sizes: 16 requests of 16..64 tokens")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    if args.quick:
-        args.num_requests, args.min_len, args.max_len = 16, 16, 64
+    for key, full, quick in (("num_requests", 256, 16), ("min_len", 100, 16), ("max_len", 1024, 64)):
+        if getattr(args, key) is None:  # explicit sizes win over --quick
+            setattr(args, key, quick if args.quick else full)
     from pagedserve import LLM, SamplingParams
     if args.model:
         model_dir, load_format, label = Path(args.model), "auto", Path(args.model).name
-    elif args.shape or args.device.startswith("cuda"):
-        label = args.shape or "qwen3-0.6b"
-        model_dir, load_format = shape_dir(label), "dummy"
     else:
-        from pagedserve.default_model import default_model_dir
-        model_dir, load_format = default_model_dir(), "auto"
-        label = model_dir.name
-    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+        model_dir, load_format, label = shape_dir(args.shape), "dummy", args.shape
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     llm = LLM(str(model_dir), dtype=dtype, device=args.device, load_format=load_format,
               max_model_len=2 * args.max_len + 16, max_num_seqs=min(256, args.num_requests), seed=args.seed)
     vocab = llm.llm_engine.model_config.vocab_size
@@ -68,7 +66,7 @@ def main() -> None:
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     assert generated == int(output_lens.sum()), "ignore_eos: every request generates exactly its length"
     stats = llm.llm_engine.stats()
-    row = {"model": label, "device": args.device, "requests": args.num_requests,
+    row = {"model": label, "device": args.device, "dtype": dtype, "requests": args.num_requests,
            "lengths": f"{args.min_len}..{args.max_len}", "output_tokens": generated,
            "prompt_tokens": int(prompt_lens.sum()), "wall_s": wall, "output_tok_s": generated / wall,
            "preemptions": stats["num_preemptions"], "kv_blocks": stats["num_blocks"]}

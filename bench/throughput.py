@@ -5,13 +5,16 @@ each generate OUTPUT_LEN tokens with ignore_eos — or, with --min-output-len,
 a length drawn uniformly from [MIN, OUTPUT_LEN] per request, as real requests
 finish at different times. Reported per engine: useful output tokens per second
 over the wall time, mean time per output token of a request, and peak GPU
-memory. transformers runs (a) one request at a time — its rate does not depend
+memory (pagedserve's includes its KV pool, sized once from
+--gpu-memory-utilization; the KV it actually held at the peak is reported
+beside it). transformers runs (a) one request at a time — its rate does not depend
 on C, so a sample of requests measures it — and (b) one statically padded batch
 of C, which must run until its longest request is done: tokens generated past a
 request's own length are waste and do not count.
 
     python bench/throughput.py --device cpu --concurrency 1 4 16          # the CPU issue's figure
-    python bench/throughput.py --device cuda --shape tinyllama-1.1b --concurrency 1 4 16 32 64 128 256
+    python bench/throughput.py --device cuda --shape tinyllama-1.1b --plot   # 1, 4, 16, 32, 64, 128, 256
+    python bench/throughput.py --device cuda --plot                            # SmolLM2-135M, real weights
     python bench/throughput.py --quick                                    # CI: checks the script runs
 """
 
@@ -26,10 +29,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import markdown_table, save  # noqa: E402
 from model_shapes import shape_dir  # noqa: E402
+
+GPU_CONCURRENCY = [1, 4, 16, 32, 64, 128, 256]
+CPU_CONCURRENCY = [1, 4, 16]
 
 
 def parse_args() -> argparse.Namespace:
@@ -38,7 +45,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--shape", default=None, help="dummy-weight model shape (bench/model_shapes.py)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None,
+                    help=f"default: {' '.join(map(str, GPU_CONCURRENCY))} on CUDA, "
+                         f"{' '.join(map(str, CPU_CONCURRENCY))} on CPU")
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--output-len", type=int, default=150)
     ap.add_argument("--min-output-len", type=int, default=None,
@@ -50,11 +59,14 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     ap.add_argument("--hf-static-max", type=int, default=256, help="largest static batch given to transformers")
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="pagedserve's share of the card")
     ap.add_argument("--name", default=None, help="results file name (default derived from device and model)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks that the script works")
     ap.add_argument("--plot", action="store_true", help="also save a PNG of tok/s vs concurrency")
     args = ap.parse_args()
+    if args.concurrency is None:
+        args.concurrency = GPU_CONCURRENCY if args.device.startswith("cuda") else CPU_CONCURRENCY
     if args.quick:
         args.concurrency, args.output_len, args.prompt_len, args.hf_sequential_requests = [1, 4], 8, 8, 1
     return args
@@ -85,10 +97,33 @@ def reset_peak(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+class PeakBlocks:
+    """Stands in for the engine's scheduler to note the most KV blocks held right after a
+    schedule() (one O(1) read per step)."""
+
+    def __init__(self, scheduler):
+        self._scheduler = scheduler
+        self.peak = 0
+
+    def schedule(self):
+        step = self._scheduler.schedule()
+        self.peak = max(self.peak, self._scheduler.pool.num_used)
+        return step
+
+    def __getattr__(self, name):
+        return getattr(self._scheduler, name)
+
+
+def kv_bytes_per_block(llm) -> int:
+    worker = llm.llm_engine.worker
+    return worker.kv_cache.numel() * worker.kv_cache.element_size() // worker.num_kv_blocks
+
+
 def make_llm(args, model_dir: Path, load_format: str, dtype: str, max_seqs: int):
     from pagedserve import LLM, SamplingParams
     llm = LLM(str(model_dir), dtype=dtype, device=args.device, load_format=load_format, max_num_seqs=max_seqs,
-              max_model_len=args.prompt_len + args.output_len + 16)
+              max_model_len=args.prompt_len + args.output_len + 16,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     vocab = llm.llm_engine.model_config.vocab_size
     llm.generate([{"prompt_token_ids": p} for p in prompts_for(2, args.prompt_len, vocab, seed=99)],
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
@@ -98,29 +133,36 @@ def make_llm(args, model_dir: Path, load_format: str, dtype: str, max_seqs: int)
 def run_pagedserve(args, model_dir: Path, load_format: str, dtype: str) -> tuple[list[dict], int]:
     from pagedserve import SamplingParams
     queued = args.requests_per_slot > 1  # the batch limit must be C itself: one engine per C
-    llm = None if queued else make_llm(args, model_dir, load_format, dtype, args.max_num_seqs or max(args.concurrency))
+    llm = None if queued else make_llm(args, model_dir, load_format, dtype,
+                                       args.max_num_seqs or max(args.concurrency))[0]
     rows = []
-    for c in args.concurrency:
+    for c in tqdm(args.concurrency, desc="pagedserve", dynamic_ncols=True):
         if queued:
             if llm is not None:
                 llm.shutdown()
-            llm, vocab = make_llm(args, model_dir, load_format, dtype, c)
+            llm, _ = make_llm(args, model_dir, load_format, dtype, c)
         vocab = llm.llm_engine.model_config.vocab_size
         n = c * args.requests_per_slot
         prompts = [{"prompt_token_ids": p} for p in prompts_for(n, args.prompt_len, vocab)]
         params = [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in output_lens(args, n)]
+        engine = llm.llm_engine
+        engine.scheduler = recorder = PeakBlocks(engine.scheduler)
         reset_peak(args.device)
         sync(args.device)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         sync(args.device)
         wall = time.perf_counter() - start
+        engine.scheduler = recorder._scheduler
+        block_bytes = kv_bytes_per_block(llm)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         tpot = statistics.mean((o.metrics.last_token_time - o.metrics.first_token_time) /
                                max(1, len(o.outputs[0].token_ids) - 1) for o in outs)
         rows.append({"engine": "pagedserve", "concurrency": c, "output_tok_s": tokens / wall,
-                     "ms_per_output_token": tpot * 1e3, "wall_s": wall, "peak_gpu_gib": peak_gib(args.device)})
-        print(f"pagedserve      C={c:4d}: {tokens / wall:10.1f} tok/s", flush=True)
+                     "ms_per_output_token": tpot * 1e3, "wall_s": wall, "peak_gpu_gib": peak_gib(args.device),
+                     "kv_pool_gib": engine.worker.num_kv_blocks * block_bytes / 2**30,
+                     "kv_peak_used_gib": recorder.peak * block_bytes / 2**30})
+        tqdm.write(f"pagedserve      C={c:4d}: {tokens / wall:10.1f} tok/s")
     llm.shutdown()
     gc.collect()
     return rows, vocab
@@ -158,8 +200,8 @@ def run_transformers(args, model_dir: Path, load_format: str, dtype: torch.dtype
     seconds = sum(hf_generate(model, [p], n, args.device) for p, n in zip(seq_prompts, seq_lens))
     seq_rate = sum(seq_lens) / seconds
     seq_peak = peak_gib(args.device)
-    print(f"hf sequential        : {seq_rate:10.1f} tok/s", flush=True)
-    for c in args.concurrency:
+    tqdm.write(f"hf sequential        : {seq_rate:10.1f} tok/s")
+    for c in tqdm(args.concurrency, desc="transformers static batches", dynamic_ncols=True):
         rows.append({"engine": "transformers-sequential", "concurrency": c, "output_tok_s": seq_rate,
                      "ms_per_output_token": 1e3 / seq_rate, "peak_gpu_gib": seq_peak})
         if c > args.hf_static_max:
@@ -172,7 +214,7 @@ def run_transformers(args, model_dir: Path, load_format: str, dtype: torch.dtype
         rows.append({"engine": "transformers-static-batch", "concurrency": c,
                      "output_tok_s": sum(lens) / wall, "ms_per_output_token": wall / steps * 1e3,
                      "wall_s": wall, "peak_gpu_gib": peak_gib(args.device)})
-        print(f"hf static batch C={c:4d}: {sum(lens) / wall:10.1f} tok/s", flush=True)
+        tqdm.write(f"hf static batch C={c:4d}: {sum(lens) / wall:10.1f} tok/s")
     return rows
 
 
@@ -223,8 +265,10 @@ def main() -> None:
         rows += run_transformers(args, model_dir, load_format, getattr(torch, dtype_name), vocab)
     rows = with_ratios(rows)
     name = args.name or f"throughput_{args.device.split(':')[0]}_{label}".replace("/", "_").replace(".", "_")
-    cols = ["engine", "concurrency", "output_tok_s", "ms_per_output_token", "peak_gpu_gib", "x_vs_hf_sequential",
-            "x_vs_hf_static"]
+    if args.quick and not args.name:
+        name += "_quick"
+    cols = ["engine", "concurrency", "output_tok_s", "ms_per_output_token", "peak_gpu_gib", "kv_pool_gib",
+            "kv_peak_used_gib", "x_vs_hf_sequential", "x_vs_hf_static"]
     table = markdown_table(sorted(rows, key=lambda r: (r["engine"], r["concurrency"])), cols)
     print(table)
     lengths = f"{args.output_len}" if args.min_output_len is None else f"{args.min_output_len}..{args.output_len}"
