@@ -19,8 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pagedserve.attention_metadata import AttentionMetadata
-from pagedserve.step_inputs import PAD_SLOT, StepInputs
+from pagedserve.step_inputs import StepInputs
 
 logger = logging.getLogger("pagedserve")
 
@@ -49,7 +48,7 @@ class CudaGraphs:
         self._by_size: dict[int, CapturedDecode] = {}
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        self._fill_dummy_inputs(inputs, max_num_seqs)
+        inputs.fill_capture_batch(max_num_seqs)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
             self._by_size[bs] = self._capture(model, kv_cache, inputs, bs, max_seq_len, workspace, pool)
         torch.cuda.synchronize()
@@ -61,24 +60,9 @@ class CudaGraphs:
             self._size_for[s] = next(b for b in self.sizes if b >= s)
 
     @staticmethod
-    def _fill_dummy_inputs(inputs: StepInputs, rows: int) -> None:
-        # Capture runs the kernels once: give them a harmless batch (one-token contexts in block 0, no writes).
-        dev = inputs._device
-        dev.zero_()
-        seg = inputs._segments
-        dev[seg["slot_mapping"].offset:seg["slot_mapping"].offset + rows].fill_(PAD_SLOT)
-        qsl = seg["query_start_loc"].offset
-        dev[qsl:qsl + rows + 1] = torch.arange(rows + 1, dtype=torch.int32, device=dev.device)
-        sl = seg["seq_lens"].offset
-        dev[sl:sl + rows].fill_(1)
-
-    @staticmethod
     def _capture(model, kv_cache, inputs: StepInputs, bs: int, max_seq_len: int, workspace, pool) -> CapturedDecode:
-        view = inputs._view
-        attn = AttentionMetadata(slot_mapping=view("slot_mapping")[:bs], block_tables=inputs.block_tables[:bs],
-                                 query_start_loc=view("query_start_loc")[:bs + 1], seq_lens=view("seq_lens")[:bs],
-                                 max_query_len=1, max_seq_len=max_seq_len, num_decodes=bs, workspace=workspace)
-        input_ids, positions = view("input_ids")[:bs], view("positions")[:bs]
+        input_ids, positions, attn = inputs.decode_views(bs, max_seq_len)
+        attn.workspace = workspace
         model.forward(input_ids, positions, attn, kv_cache)  # warm up: library handles, autotuning
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -38,9 +38,6 @@ class ModelRunner:
         logits = self.compute_logits(step)
         return self.sampler.launch(logits, rows)
 
-    def execute(self, step, rows):
-        return self.execute_async(step, rows).result()
-
     def compute_logits(self, step) -> torch.Tensor:
         graph = self.graphs.lookup(step) if self.graphs is not None else None
         if graph is not None:

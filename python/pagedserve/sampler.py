@@ -123,13 +123,6 @@ class Sampler:
             return PendingSamples.ready(SamplerOutput(token_ids=[], logprobs=None))
         if self._is_plain_temperature(rows):
             return self._launch_gumbel_max(logits, rows)
-        if self._is_plain_greedy(rows):
-            counts = [row.num_samples for row in rows]
-            expand = any(n != 1 for n in counts)
-            return PendingSamples.copy(
-                logits.argmax(dim=-1).to(torch.int32),
-                lambda host: SamplerOutput([t for t, n in zip(host.tolist(), counts) for _ in range(n)]
-                                           if expand else host.tolist(), logprobs=None))
         batch = build_sampling_batch(rows, self.vocab_size, self.eos_token_ids, self.device)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs is not None else None
@@ -201,17 +194,6 @@ class Sampler:
             if p.greedy:
                 continue
             if row.generator is not None or p.top_k_enabled or p.top_p < 1.0 or p.min_p > 0.0:
-                return False
-        return True
-
-    def _is_plain_greedy(self, rows: Sequence[SamplingRow]) -> bool:
-        """True when the whole step is one argmax: no penalties, logprobs or min_tokens."""
-        for row in rows:
-            p = row.params
-            if not p.greedy or p.has_penalties or p.logprobs is not None:
-                return False
-            blocks_stop_tokens = bool(p.stop_token_ids or self.eos_token_ids)
-            if len(row.output_token_ids) < p.min_tokens and blocks_stop_tokens:
                 return False
         return True
 

@@ -88,14 +88,34 @@ class StepInputs:
         used = self._segments["block_tables"].offset + rows * self.max_blocks_per_seq
         if self._device is not self._host:
             self._device[:used].copy_(self._host[:used], non_blocking=True)
-        attn = AttentionMetadata(
+        attn = self._metadata(rows, tokens, step.max_query_len, step.max_seq_len,
+                              rows if padded_num_seqs else step.num_decodes)
+        return (self._view("input_ids")[:tokens], self._view("positions")[:tokens], attn,
+                self._view("logits_indices")[:num_logits])
+
+    def _metadata(self, rows: int, tokens: int, max_query_len: int, max_seq_len: int,
+                  num_decodes: int) -> AttentionMetadata:
+        return AttentionMetadata(
             slot_mapping=self._view("slot_mapping")[:tokens],
             block_tables=self.block_tables[:rows],
             query_start_loc=self._view("query_start_loc")[:rows + 1],
             seq_lens=self._view("seq_lens")[:rows],
-            max_query_len=step.max_query_len,
-            max_seq_len=step.max_seq_len,
-            num_decodes=rows if padded_num_seqs else step.num_decodes,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            num_decodes=num_decodes,
         )
-        return (self._view("input_ids")[:tokens], self._view("positions")[:tokens], attn,
-                self._view("logits_indices")[:num_logits])
+
+    def decode_views(self, rows: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """(input_ids, positions, attn) over the first `rows` rows of a decode batch: what a CUDA graph
+        captures, and what prepare(step, padded_num_seqs=rows) later fills in place."""
+        return (self._view("input_ids")[:rows], self._view("positions")[:rows],
+                self._metadata(rows, rows, 1, max_seq_len, rows))
+
+    def fill_capture_batch(self, rows: int) -> None:
+        """A harmless decode batch for graph capture, which runs the kernels once: one-token contexts
+        in block 0 that write nothing."""
+        self._device.zero_()
+        self._view("slot_mapping")[:rows].fill_(PAD_SLOT)
+        self._view("query_start_loc")[:rows + 1] = torch.arange(rows + 1, dtype=torch.int32,
+                                                                 device=self._device.device)
+        self._view("seq_lens")[:rows].fill_(1)

@@ -1,0 +1,40 @@
+"""StepInputs: the scheduler's arrays at fixed offsets, padded decode batches for CUDA graphs."""
+
+import numpy as np
+import torch
+
+from pagedserve import _core
+from pagedserve.step_inputs import PAD_SLOT, StepInputs
+
+
+def decode_step(num_seqs: int):
+    s = _core.Scheduler(_core.SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=8,
+                                              max_num_batched_tokens=64, watermark=0.0))
+    for i in range(num_seqs):
+        s.add_sequence([10 + i, 11, 12, 13, 14], max_tokens=8)
+    s.update(np.full(s.schedule().total_samples, 7, dtype=np.int32))
+    return s.schedule()
+
+
+def test_padded_decode_rows_write_nothing_and_attend_to_nothing():
+    step = decode_step(3)
+    assert step.num_decodes == 3
+    inputs = StepInputs(max_num_tokens=64, max_num_seqs=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    ids, pos, attn, logits = inputs.prepare(step, padded_num_seqs=8)
+    assert ids.shape == (8,) and attn.block_tables.shape == (8, 4) and attn.num_decodes == 8
+    assert ids[:3].tolist() == [7, 7, 7] and pos[:3].tolist() == [5, 5, 5]
+    assert attn.slot_mapping[:3].tolist() == step.slot_mapping.tolist()
+    assert attn.slot_mapping[3:].tolist() == [PAD_SLOT] * 5
+    assert attn.seq_lens.tolist() == [6, 6, 6, 0, 0, 0, 0, 0]
+    assert attn.query_start_loc.tolist() == list(range(9))
+    assert logits.tolist() == [0, 1, 2]
+
+
+def test_capture_views_alias_what_prepare_fills():
+    inputs = StepInputs(max_num_tokens=64, max_num_seqs=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    inputs.fill_capture_batch(8)
+    ids, pos, attn = inputs.decode_views(8, max_seq_len=16)
+    assert attn.slot_mapping.tolist() == [PAD_SLOT] * 8 and attn.seq_lens.tolist() == [1] * 8
+    assert attn.query_start_loc.tolist() == list(range(9)) and attn.max_query_len == 1 and attn.max_seq_len == 16
+    inputs.prepare(decode_step(2), padded_num_seqs=8)  # a graph replay reads the new values in place
+    assert ids[:2].tolist() == [7, 7] and attn.seq_lens[:3].tolist() == [6, 6, 0]
