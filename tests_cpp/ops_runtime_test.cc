@@ -240,11 +240,15 @@ TEST(CpuIsa, SupportedLevelsAreAscendingAndSelectable) {
     with_cpu_isa([&]() PS_INLINE_BODY { ++ran; });
     EXPECT_EQ(ran, 1);
   }
-  if (best_supported_cpu_isa() != CpuIsa::kAvx512) {
+  if (best_supported_cpu_isa() < CpuIsa::kAvx512) {
     EXPECT_TRUE(testing::throws_invalid([] { set_cpu_isa(CpuIsa::kAvx512); }, "does not support avx512"));
+  }
+  if (best_supported_cpu_isa() < CpuIsa::kAmx) {
+    EXPECT_TRUE(testing::throws_invalid([] { set_cpu_isa(CpuIsa::kAmx); }, "does not support amx"));
   }
   set_cpu_isa(best_supported_cpu_isa());
   EXPECT_EQ(cpu_isa_name(CpuIsa::kAvx2), "avx2");
+  EXPECT_EQ(cpu_isa_name(CpuIsa::kAmx), "amx");
 }
 
 }  // namespace

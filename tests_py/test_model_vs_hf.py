@@ -8,6 +8,7 @@ with chunked prefills and several decode steps.
 
 from __future__ import annotations
 
+import copy
 import zlib
 
 import pytest
@@ -18,6 +19,8 @@ from hf_helpers import make_hf_model, save_hf_checkpoint
 from paged_helpers import PagedBatchRunner, relative_error
 from pagedserve.config import ModelConfig
 from pagedserve.models import build_model
+from pagedserve.models.cpu_weight_packing import pack_cpu_weights
+from pagedserve.models.layers import Linear
 
 TOLERANCE = 1e-4  # relative (Frobenius) error of float32 logits
 
@@ -81,6 +84,28 @@ def test_paged_batch_matches_hf(case, index_dtype):
     name, hf_model, path = case
     config = ModelConfig.from_model_dir(path, dtype="float32", device="cpu")
     model = build_model(config, "cpu")
+    assert_schedule_matches_hf(name, hf_model, model, index_dtype)
+
+
+def test_packed_bf16_weights_match_hf(case, tmp_path):
+    """The CPU's bf16 weight tiles (cpu_weight_packing.py) on a checkpoint whose weights are bf16
+    values: lossless, so float32 logits still match transformers'."""
+    name, hf_model, _ = case
+    bf16_valued = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for param in bf16_valued.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    path = save_hf_checkpoint(bf16_valued, tmp_path / name)
+    model = build_model(ModelConfig.from_model_dir(path, dtype="float32", device="cpu"), "cpu")
+    assert pack_cpu_weights(model, "auto")
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
+    assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
+    assert model.packed_lm_head is not None
+    assert_schedule_matches_hf(name, bf16_valued, model, torch.int32)
+
+
+def assert_schedule_matches_hf(name: str, hf_model, model, index_dtype: torch.dtype) -> None:
+    config = model.config
     generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     tokens = {seq: torch.randint(0, config.vocab_size, (length,), generator=generator)
               for seq, length in sequence_lengths().items()}

@@ -4,6 +4,7 @@
 // We only borrow it for the call (never rename or consume it); the caller's
 // Python references keep the tensor alive while the GIL is released.
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -152,6 +153,31 @@ void bind_ops(py::module_& m) {
       "Causal paged attention over a mixed varlen batch (see cpp/ops/ops.h).");
 
   m.def(
+      "pack_linear_weight",
+      [](const py::capsule& packed, const py::capsule& weight) {
+        const OpArgs arg{"pack_linear_weight"};
+        const TensorView pk = arg(packed, "packed_weight"), w = arg(weight, "weight");
+        py::gil_scoped_release release;
+        ops::pack_linear_weight(pk, w);
+      },
+      py::arg("packed"), py::arg("weight"),
+      "Packs weight [N, K] into bf16 [ceil(N / 32), K, 32] tiles (cpp/ops/packed_weight_layout.h).");
+
+  m.def(
+      "packed_linear",
+      [](const py::capsule& out, const py::capsule& x, const py::capsule& packed_weight,
+         const std::optional<py::capsule>& bias) {
+        const OpArgs arg{"packed_linear"};
+        const TensorView o = arg(out, "out"), xv = arg(x, "x"), pk = arg(packed_weight, "packed_weight");
+        std::optional<TensorView> b;
+        if (bias) b = arg(*bias, "bias");
+        py::gil_scoped_release release;
+        ops::packed_linear(o, xv, pk, b);
+      },
+      py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("bias") = py::none(),
+      "out = x W^T (+ bias) in float32, W in packed bf16 tiles; x [M, K], out [M, N].");
+
+  m.def(
       "sample_tokens",
       [](const py::capsule& out, const py::capsule& logits, const py::capsule& inv_temperature, uint64_t seed) {
         const OpArgs arg{"sample_tokens"};
@@ -169,7 +195,7 @@ void bind_ops(py::module_& m) {
 
   m.def(
       "cpu_isa", [] { return std::string(ops::cpu_isa_name(ops::cpu_isa())); },
-      "The instruction set the kernels run with: 'baseline' (SSE2), 'avx2' or 'avx512'.");
+      "The instruction set the kernels run with: 'baseline' (SSE2), 'avx2', 'avx512' or 'amx'.");
   m.def(
       "supported_cpu_isas",
       [] {
@@ -181,10 +207,11 @@ void bind_ops(py::module_& m) {
   m.def(
       "set_cpu_isa",
       [](const std::string& name) {
-        for (ops::CpuIsa isa : {ops::CpuIsa::kBaseline, ops::CpuIsa::kAvx2, ops::CpuIsa::kAvx512}) {
+        for (ops::CpuIsa isa : {ops::CpuIsa::kBaseline, ops::CpuIsa::kAvx2, ops::CpuIsa::kAvx512, ops::CpuIsa::kAmx}) {
           if (ops::cpu_isa_name(isa) == name) return ops::set_cpu_isa(isa);
         }
-        throw py::value_error("set_cpu_isa: unknown instruction set '" + name + "'; expected baseline, avx2 or avx512");
+        throw py::value_error("set_cpu_isa: unknown instruction set '" + name +
+                              "'; expected baseline, avx2, avx512 or amx");
       },
       py::arg("name"), "For tests and benchmarks: run the kernels with a lower instruction set.");
 }

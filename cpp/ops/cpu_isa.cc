@@ -4,13 +4,39 @@
 #include <stdexcept>
 #include <string>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace pagedserve::ops {
 namespace {
+
+// AMX needs the CPU's tile and bf16 units (CPUID.7.0:EDX bits 24 and 22) and
+// Linux's permission to use the tile state (arch_prctl, Linux 5.16+), which
+// is per process and must come before any thread touches a tile register.
+bool amx_usable() {
+#if PS_X86_MULTIVERSION && defined(__linux__)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+  const bool has_tile = (edx >> 24) & 1u;
+  const bool has_bf16 = (edx >> 22) & 1u;
+  if (!has_tile || !has_bf16) return false;
+  constexpr long kArchRequestXcompPerm = 0x1023;
+  constexpr long kXfeatureTileData = 18;
+  return syscall(SYS_arch_prctl, kArchRequestXcompPerm, kXfeatureTileData) == 0;
+#else
+  return false;
+#endif
+}
 
 CpuIsa detect_cpu_isa() {
 #if PS_X86_MULTIVERSION
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("x86-64-v4")) return CpuIsa::kAvx512;
+  if (__builtin_cpu_supports("x86-64-v4")) return amx_usable() ? CpuIsa::kAmx : CpuIsa::kAvx512;
   if (__builtin_cpu_supports("x86-64-v3")) return CpuIsa::kAvx2;
 #endif
   return CpuIsa::kBaseline;
@@ -29,6 +55,7 @@ std::string_view cpu_isa_name(CpuIsa isa) {
     case CpuIsa::kBaseline: return "baseline";
     case CpuIsa::kAvx2: return "avx2";
     case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAmx: return "amx";
   }
   return "unknown";
 }
@@ -40,7 +67,7 @@ CpuIsa best_supported_cpu_isa() {
 
 std::vector<CpuIsa> supported_cpu_isas() {
   std::vector<CpuIsa> isas;
-  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAmx}) {
     if (isa <= best_supported_cpu_isa()) isas.push_back(isa);
   }
   return isas;

@@ -3,6 +3,10 @@
 // The library is compiled for baseline x86-64 (SSE2) so it runs anywhere;
 // with_cpu_isa() additionally compiles a kernel body for the x86-64-v3 (AVX2,
 // FMA) and x86-64-v4 (AVX-512) levels and runs the best one this CPU has.
+// The top level, AMX (bf16 tile matrix multiply, Sapphire Rapids and later),
+// counts only where the OS granted this process the tile state; the one op
+// with an AMX kernel (packed_linear) checks for it, and every other body
+// runs its AVX-512 code there.
 // The body must be a lambda marked PS_INLINE_BODY whose callees are
 // PS_ALWAYS_INLINE, so that all of it is compiled for the chosen level:
 //
@@ -28,9 +32,9 @@
 
 namespace pagedserve::ops {
 
-enum class CpuIsa : uint8_t { kBaseline, kAvx2, kAvx512 };
+enum class CpuIsa : uint8_t { kBaseline, kAvx2, kAvx512, kAmx };
 
-std::string_view cpu_isa_name(CpuIsa isa);  // "baseline", "avx2", "avx512"
+std::string_view cpu_isa_name(CpuIsa isa);  // "baseline", "avx2", "avx512", "amx"
 CpuIsa best_supported_cpu_isa();
 std::vector<CpuIsa> supported_cpu_isas();  // ascending, baseline first
 
@@ -59,6 +63,7 @@ template <typename Fn>
 void with_cpu_isa(Fn&& fn) {
 #if PS_X86_MULTIVERSION
   switch (cpu_isa()) {
+    case CpuIsa::kAmx:
     case CpuIsa::kAvx512:
       isa_detail::run_avx512(fn);
       return;

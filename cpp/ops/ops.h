@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "tensor_view.h"
 
@@ -65,6 +66,16 @@ void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies);
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,
                      const TensorView& query_start_loc, const TensorView& seq_lens, float scale);
+
+// Packs a linear layer's weight [N, K] (float32 / float16 / bfloat16, rounded
+// to bf16) into packed: [ceil(N / 16), round_up(K, 32) / 2, 32] bfloat16
+// (packed_weight_layout.h).
+void pack_linear_weight(const TensorView& packed, const TensorView& weight);
+
+// out = x W^T (+ bias) in float32 with W packed by pack_linear_weight.
+// x: [M, K] float32; out: [M, N] float32; bias: [N] float32.
+void packed_linear(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
+                   const std::optional<TensorView>& bias);
 
 // Samples one token per row in one pass over the logits:
 //   out[r] = argmax_v (logits[r, v] * inv_temperature[r] + gumbel(key_r, v))

@@ -6,11 +6,13 @@
 // first, so the kernel itself cannot read out of bounds or throw.
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "ops/attention_tile.h"
 #include "ops/cpu_isa.h"
+#include "ops/decode_attention.h"
 #include "ops/dispatch.h"
 #include "ops/op_checks.h"
 #include "ops/ops.h"
@@ -88,6 +90,7 @@ void check_batch(const TensorView& query, const TensorView& key_cache, const Ten
 struct WorkPlan {
   std::vector<AttentionWorkItem> items;  // most expensive first, so the pool's dynamic scheduling balances well
   int64_t max_rows = 0;
+  int64_t max_seq_len = 0;
   int64_t total_work = 0;  // in parallel.h's work units
 };
 
@@ -107,6 +110,7 @@ WorkPlan plan_work(const TensorView& query_start_loc, const TensorView& seq_lens
       // Two multiply-adds (score, value) per row, position and dim make one work unit.
       const int64_t cost = rows * (first_position + q_end) * head_dim;
       plan.max_rows = std::max(plan.max_rows, rows);
+      plan.max_seq_len = std::max<int64_t>(plan.max_seq_len, lens[s]);
       plan.total_work += cost * kv_heads;
       for (int32_t h = 0; h < static_cast<int32_t>(kv_heads); ++h) {
         costed.push_back({cost, {s, h, static_cast<int32_t>(q_begin), static_cast<int32_t>(q_end)}});
@@ -150,8 +154,23 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     std::vector<AttentionScratch> scratch;
     scratch.reserve(static_cast<size_t>(run.num_workers()));
     for (int w = 0; w < run.num_workers(); ++w) scratch.emplace_back(plan.max_rows, head_dim);
+    // Decode rows of a float32 cache take the fast path (decode_attention.h).
+    bool decode_fast_path = false;
+    std::vector<std::vector<float>> decode_scores;
+    if constexpr (std::is_same_v<T, float>) {
+      decode_fast_path = decode_attention_supported(head_dim);
+      if (decode_fast_path) decode_scores.assign(static_cast<size_t>(run.num_workers()),
+                                                 std::vector<float>(static_cast<size_t>(plan.max_seq_len)));
+    }
     run.for_each(static_cast<int64_t>(plan.items.size()), [&](int64_t task, int worker) {
       const AttentionWorkItem& item = plan.items[static_cast<size_t>(task)];
+      if constexpr (std::is_same_v<T, float>) {
+        const bool decode = batch.query_start_loc[item.seq + 1] - batch.query_start_loc[item.seq] == 1;
+        if (decode_fast_path && decode) {
+          attend_decode_avx512(batch, item, decode_scores[static_cast<size_t>(worker)].data());
+          return;
+        }
+      }
       AttentionScratch& worker_scratch = scratch[static_cast<size_t>(worker)];
       with_cpu_isa([&]() PS_INLINE_BODY { attend_work_item(batch, item, worker_scratch); });
     });

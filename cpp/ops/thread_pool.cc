@@ -2,7 +2,29 @@
 
 #include <algorithm>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace pagedserve::ops {
+namespace {
+
+// Spins until done() or `limit` has passed; returns done().
+template <typename Done>
+bool spin_until(Done&& done, std::chrono::microseconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (done()) return true;
+#if defined(__x86_64__)
+      _mm_pause();
+#endif
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return done();
+  }
+}
+
+}  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
   const int num_workers = std::max(num_threads, 1) - 1;
@@ -44,8 +66,10 @@ void ThreadPool::run(int64_t num_tasks, const TaskFn& fn) {
   {
     // Every task has been claimed; wait for the workers still inside one. A
     // worker that wakes after this sees job_ == nullptr and goes back to sleep.
+    const auto workers_done = [&] { return job.active_workers.load(std::memory_order_acquire) == 0; };
+    spin_until(workers_done, kSpinTime);
     std::unique_lock lock(mutex_);
-    job_done_.wait(lock, [&] { return job.active_workers == 0; });
+    job_done_.wait(lock, workers_done);
     job_ = nullptr;
     error = job.error;
   }
@@ -57,11 +81,12 @@ void ThreadPool::worker_loop(int worker) {
   uint64_t seen_generation = 0;
   for (;;) {
     Job* job = nullptr;
+    spin_until([&] { return generation_.load(std::memory_order_acquire) != seen_generation; }, kSpinTime);
     {
       std::unique_lock lock(mutex_);
-      work_ready_.wait(lock, [&] { return stopping_ || generation_ != seen_generation; });
+      work_ready_.wait(lock, [&] { return stopping_ || generation_.load() != seen_generation; });
       if (stopping_) return;
-      seen_generation = generation_;
+      seen_generation = generation_.load();
       job = job_;
       if (job == nullptr) continue;
       ++job->active_workers;
@@ -69,7 +94,7 @@ void ThreadPool::worker_loop(int worker) {
     drain(*job, worker);
     {
       std::lock_guard lock(mutex_);
-      if (--job->active_workers == 0) job_done_.notify_one();
+      if (job->active_workers.fetch_sub(1, std::memory_order_acq_rel) == 1) job_done_.notify_one();
     }
   }
 }

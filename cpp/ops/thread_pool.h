@@ -1,8 +1,12 @@
 // ThreadPool: persistent worker threads for the CPU ops.
 //
 // The calling thread always takes part, so a pool of N threads starts N - 1
-// workers. Idle workers sleep on a condition variable (never spin): torch's
-// own intra-op threads share the same cores between our calls.
+// workers. A worker that finishes a job spins for kSpinTime waiting for the
+// next one before it sleeps on a condition variable: a model step calls the
+// ops back to back a few microseconds apart, and waking a sleeping thread
+// costs tens of microseconds, more than a small op's whole run. The caller
+// waits for the workers the same way. Longer idle periods cost no CPU, so
+// torch's own intra-op threads keep the cores between steps.
 //
 // run() hands out task indices one at a time from an atomic counter, so
 // tasks of uneven cost (sequences of different lengths) balance themselves.
@@ -11,6 +15,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -32,6 +37,8 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
+  static constexpr std::chrono::microseconds kSpinTime{50};
+
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
   // Runs fn for every task in [0, num_tasks) and returns when all are done.
@@ -43,7 +50,7 @@ class ThreadPool {
     const TaskFn* fn = nullptr;
     int64_t num_tasks = 0;
     std::atomic<int64_t> next_task{0};
-    int active_workers = 0;  // guarded by mutex_
+    std::atomic<int> active_workers{0};  // changed under mutex_; read by the caller's spin
     std::exception_ptr error;  // guarded by mutex_
   };
 
@@ -57,7 +64,7 @@ class ThreadPool {
   std::condition_variable work_ready_;
   std::condition_variable job_done_;
   Job* job_ = nullptr;        // guarded by mutex_
-  uint64_t generation_ = 0;   // guarded by mutex_; bumped per job so workers take each once
+  std::atomic<uint64_t> generation_{0};  // bumped under mutex_ per job, so workers take each once
   bool stopping_ = false;     // guarded by mutex_
 };
 

@@ -24,6 +24,7 @@ class EngineConfig:
     kv_cache_memory_gb: Optional[float] = None  # CPU KV budget; None = 1 GiB (CPU) or from the card (CUDA)
     num_kv_blocks: Optional[int] = None  # force the pool size (tests, preemption demos)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
+    cpu_weight_dtype: str = "auto"  # CPU float32 models: auto (bf16 tiles when lossless) | bfloat16 | float32
     max_logprobs: int = 20
     max_num_waiting: int = 4096  # server: the queue length at which new requests are refused
 
@@ -54,6 +55,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size on CPU")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="force the number of KV blocks")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
+    g.add_argument("--cpu-weight-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="CPU, float32 models: store linear weights as bf16 tiles (auto: when that is lossless, "
+                        "as for a bf16 checkpoint; bfloat16: always, rounding; float32: never)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

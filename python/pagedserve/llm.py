@@ -25,13 +25,14 @@ class LLM:
                  max_num_batched_tokens: Optional[int] = None, seed: int = 0, load_format: str = "auto",
                  device: Optional[str] = None, gpu_memory_utilization: float = 0.9,
                  kv_cache_memory_gb: Optional[float] = None, num_kv_blocks: Optional[int] = None,
-                 enforce_eager: bool = False, max_logprobs: int = 20):
+                 enforce_eager: bool = False, max_logprobs: int = 20, cpu_weight_dtype: str = "auto"):
         config = EngineConfig(model=model, dtype=dtype, device=device, load_format=load_format, seed=seed,
                               max_model_len=max_model_len, block_size=block_size,
                               enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens,
                               gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_gb=kv_cache_memory_gb,
-                              num_kv_blocks=num_kv_blocks, enforce_eager=enforce_eager, max_logprobs=max_logprobs)
+                              num_kv_blocks=num_kv_blocks, enforce_eager=enforce_eager, max_logprobs=max_logprobs,
+                              cpu_weight_dtype=cpu_weight_dtype)
         self.llm_engine = LLMEngine(config)
         self._counter = 0
 

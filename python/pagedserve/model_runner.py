@@ -8,7 +8,8 @@ for the rows that sample, and sample them.
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 
@@ -27,16 +28,21 @@ class ModelRunner:
         self.inputs = StepInputs(max_num_tokens, max_num_seqs, max_blocks_per_seq, self.device)
         self.graphs = graphs  # CudaGraphs or None
         self.workspace: Optional[torch.Tensor] = None
+        # torch's intra-op threads during a step (None: leave torch's setting). On a CPU whose
+        # heavy math runs in our ops' own pool, torch's spin-waiting OpenMP workers only compete
+        # with that pool for the same cores.
+        self.torch_threads: Optional[int] = None
 
     @torch.inference_mode()
     def execute_async(self, step, rows) -> PendingSamples:
         """Queues `step` (a _core.StepOutput) and the sampling of `rows` (one SamplingRow
         per sample row) on the device; the result arrives with PendingSamples.result()."""
-        if step.block_copies.shape[0]:
-            copies = torch.from_numpy(step.block_copies.copy()).to(self.device, non_blocking=True)
-            ops.copy_blocks(self.kv_cache, copies)
-        logits = self.compute_logits(step)
-        return self.sampler.launch(logits, rows)
+        with _torch_threads(self.torch_threads):
+            if step.block_copies.shape[0]:
+                copies = torch.from_numpy(step.block_copies.copy()).to(self.device, non_blocking=True)
+                ops.copy_blocks(self.kv_cache, copies)
+            logits = self.compute_logits(step)
+            return self.sampler.launch(logits, rows)
 
     def compute_logits(self, step) -> torch.Tensor:
         graph = self.graphs.lookup(step) if self.graphs is not None else None
@@ -48,3 +54,17 @@ class ModelRunner:
             attn.workspace = self.workspace
             hidden = self.model.forward(input_ids, positions, attn, self.kv_cache)
         return self.model.compute_logits(hidden[logits_indices.long()])
+
+
+@contextlib.contextmanager
+def _torch_threads(num_threads: Optional[int]) -> Iterator[None]:
+    """Runs the block with torch.set_num_threads(num_threads), then restores the caller's setting."""
+    before = torch.get_num_threads()
+    if num_threads is None or num_threads == before:
+        yield
+        return
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -30,6 +30,8 @@ __all__ = [
     "num_threads",
     "cpu_isa",
     "sample_tokens",
+    "pack_linear_weight",
+    "packed_linear",
 ]
 
 
@@ -180,6 +182,21 @@ def sample_tokens(out: torch.Tensor, logits: torch.Tensor, inv_temperature: torc
     backend.sample_tokens(_dl(out), _dl(logits), _dl(inv_temperature), seed, *tail)
 
 
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A CPU weight [N, K] in the bf16 tile layout packed_linear reads (cpp/ops/packed_weight_layout.h):
+    [ceil(N / 16), round_up(K, 32) / 2, 32] bfloat16. Values are rounded to bf16 (exact for a bf16 checkpoint)."""
+    out_features, in_features = weight.shape
+    packed = torch.empty((out_features + 15) // 16, (in_features + 31) // 32 * 16, 32, dtype=torch.bfloat16)
+    _cpu_ops.pack_linear_weight(_dl(packed), _dl(weight))
+    return packed
+
+
+def packed_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tensor,
+                  bias: Optional[torch.Tensor] = None) -> None:
+    """out = x W^T (+ bias) in float32 on the CPU, W from pack_linear_weight. x [M, K], out [M, N] float32."""
+    _cpu_ops.packed_linear(_dl(out), _dl(x), _dl(packed_weight), None if bias is None else _dl(bias))
+
+
 def set_num_threads(num_threads: int) -> None:
     """Threads the CPU ops may use, the calling thread included."""
     _cpu_ops.set_num_threads(num_threads)
@@ -190,5 +207,5 @@ def num_threads() -> int:
 
 
 def cpu_isa() -> str:
-    """The instruction set the CPU kernels run with: 'baseline' (SSE2), 'avx2' or 'avx512'."""
+    """The instruction set the CPU kernels run with: 'baseline' (SSE2), 'avx2', 'avx512' or 'amx' (AVX-512 plus AMX tiles for packed_linear)."""
     return _cpu_ops.cpu_isa()

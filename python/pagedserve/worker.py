@@ -20,6 +20,7 @@ from pagedserve.engine_config import EngineConfig
 from pagedserve.kv_cache import allocate_kv_cache, bytes_per_block
 from pagedserve.model_runner import ModelRunner
 from pagedserve.models import build_model
+from pagedserve.models.cpu_weight_packing import pack_cpu_weights
 from pagedserve.sampler import Sampler, SamplingRow
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
@@ -64,6 +65,7 @@ class Worker:
         self.tokenizer = load_tokenizer(self.model_dir) if has_tokenizer else None
         self._baseline_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = build_model(mc, self.device, load_format=config.load_format, seed=config.seed)
+        packed = self.device.type == "cpu" and pack_cpu_weights(self.model, config.cpu_weight_dtype)
 
         cuda = self.device.type == "cuda"
         self.max_num_seqs = config.max_num_seqs or (256 if cuda else 64)
@@ -97,6 +99,8 @@ class Worker:
                                   max_num_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
                                   max_blocks_per_seq=math.ceil(max_model_len / self.block_size))
         self.runner.workspace = self.workspace
+        if packed:  # every matrix product runs in our ops' pool; torch keeps only light work
+            self.runner.torch_threads = 1
         if cuda and not config.enforce_eager:
             from pagedserve.cuda_graphs import CudaGraphs
             self.runner.graphs = CudaGraphs(self.model, self.kv_cache, self.runner.inputs, self.max_num_seqs,

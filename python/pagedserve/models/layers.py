@@ -24,18 +24,32 @@ def _empty_parameter(shape: Sequence[int], dtype: torch.dtype, device: torch.dev
 
 
 class Linear(nn.Module):
-    """y = x W^T + b. ``output_sizes`` lists the row blocks of a merged projection (see weights.py)."""
+    """y = x W^T + b. ``output_sizes`` lists the row blocks of a merged projection (see weights.py).
+
+    On a CPU the weight may be replaced by bf16 tiles after loading (``pack``,
+    see cpu_weight_packing.py); the forward then runs ``ops.packed_linear``.
+    """
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
                  device: torch.device):
         super().__init__()
         self.output_sizes = tuple(output_sizes)
-        out_features = sum(self.output_sizes)
-        self.weight = _empty_parameter((out_features, in_features), dtype, device)
-        self.bias = _empty_parameter((out_features,), dtype, device) if bias else None
+        self.out_features = sum(self.output_sizes)
+        self.weight = _empty_parameter((self.out_features, in_features), dtype, device)
+        self.bias = _empty_parameter((self.out_features,), dtype, device) if bias else None
+        self.packed_weight: Optional[torch.Tensor] = None
+
+    def pack(self) -> None:
+        """Keeps the weight only as bf16 tiles (rounded if it is not exactly bf16)."""
+        self.packed_weight = ops.pack_linear_weight(self.weight)
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.packed_weight is None:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        ops.packed_linear(out, x, self.packed_weight, self.bias)
+        return out
 
 
 class Embedding(nn.Module):

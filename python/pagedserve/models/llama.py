@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve import ops
 from pagedserve.attention_metadata import AttentionMetadata
 from pagedserve.config import ModelConfig
 from pagedserve.models.layers import (Embedding, Linear, PagedAttention, RMSNorm, RotaryEmbedding,
@@ -133,6 +134,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head: Optional[Linear] = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, (config.vocab_size,), False, config.dtype, device)
+        self.packed_lm_head: Optional[torch.Tensor] = None  # bf16 tiles of lm_head_weight() (CPU packing)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The [vocab, hidden] matrix of the logits: the embeddings when they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_lm_head(self) -> None:
+        """Computes logits from bf16 tiles (the embedding table stays as it is for lookups)."""
+        self.packed_lm_head = ops.pack_linear_weight(self.lm_head_weight())
+        if self.lm_head is not None:
+            self.lm_head.weight = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
@@ -145,5 +157,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, vocab] in the model's dtype (the sampler upcasts if it must)."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.packed_lm_head is not None:
+            logits = torch.empty(hidden.shape[0], self.config.vocab_size, dtype=hidden.dtype)
+            ops.packed_linear(logits, hidden, self.packed_lm_head)
+            return logits
+        return F.linear(hidden, self.lm_head_weight())

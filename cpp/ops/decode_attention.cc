@@ -1,0 +1,152 @@
+#include "ops/decode_attention.h"
+
+#include <algorithm>
+#include <limits>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#include "ops/cpu_isa.h"
+#include "ops/kv_cache_layout.h"
+#include "ops/vec_math.h"
+
+namespace pagedserve::ops {
+
+#if PS_X86_MULTIVERSION
+
+bool decode_attention_supported(int64_t head_dim) {
+  return cpu_isa() >= CpuIsa::kAvx512 && head_dim % 16 == 0 && head_dim > 0 && head_dim <= kMaxDecodeHeadDim;
+}
+
+namespace {
+
+// GCC 12's AVX-512 headers build some vectors from a deliberately undefined
+// one (`__m512i __Y = __Y;`), which -Wmaybe-uninitialized flags at every use.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+constexpr int kKeys = 16;  // keys scored together: one zmm of results
+
+// Returns the 16 horizontal sums of v[0..15] as one vector (lane j = sum of v[j]).
+[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE __m512 reduce_16(const __m512 (&v)[kKeys]) {
+  __m512 halves[8];  // lanes 0-7: partial sums of v[2i], lanes 8-15: of v[2i + 1]
+  for (int i = 0; i < 8; ++i) {
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                              _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+  }
+  __m512 quarters[4];  // 128-bit lane L: 4 partial sums of v[4i + L]
+  for (int i = 0; i < 4; ++i) {
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0x88),
+                                _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], 0xdd));
+  }
+  __m512 pairs[2];  // lane L: 2 partials each of v[8i + L], v[8i + L], v[8i + 4 + L], v[8i + 4 + L]
+  for (int i = 0; i < 2; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(quarters[2 * i], quarters[2 * i + 1], 0xee));
+  }
+  // Element 4L + e now sums v[4e + L]; the permutation puts v[j]'s sum at j.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88),
+                                    _mm512_shuffle_ps(pairs[0], pairs[1], 0xdd));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, sums);
+}
+
+PS_ALWAYS_INLINE void prefetch_row(const float* row, int64_t d_size) {
+  for (int64_t d = 0; d < d_size; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+}
+
+template <int kChunks>
+[[gnu::target("arch=x86-64-v4")]] void attend(const AttentionBatch<float>& b, const AttentionWorkItem& item,
+                                              float* scores) {
+  const int64_t d_size = b.head_dim;
+  const int64_t group = b.group();
+  const int64_t seq_len = b.seq_lens[item.seq];
+  const int64_t token = b.query_start_loc[item.seq];
+  const int32_t* table = b.block_tables + item.seq * b.max_blocks_per_seq;
+  const auto row_offset = [&](int64_t pos) {
+    return kv_cache_offset(table[pos / b.block_size], item.kv_head, pos % b.block_size, b.kv_heads, b.block_size,
+                           d_size);
+  };
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t head = item.kv_head * group + g;
+    const float* q_in = b.query + (token * b.q_heads + head) * d_size;
+    __m512 q[kChunks];
+    for (int c = 0; c < kChunks; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(q_in + 16 * c), _mm512_set1_ps(b.scale));
+
+    // Scores, 16 keys at a time. The first head of the group streams the
+    // context from memory: it prefetches the next tile's keys and this
+    // tile's values, which the other heads and the value pass then find in cache.
+    float row_max = -std::numeric_limits<float>::infinity();
+    for (int64_t first = 0; first < seq_len; first += kKeys) {
+      const int count = static_cast<int>(std::min<int64_t>(kKeys, seq_len - first));
+      if (g == 0) {
+        const int64_t next_count = std::min<int64_t>(kKeys, seq_len - first - kKeys);
+        for (int64_t j = 0; j < next_count; ++j) prefetch_row(b.key_cache + row_offset(first + kKeys + j), d_size);
+        for (int64_t j = 0; j < count; ++j) prefetch_row(b.value_cache + row_offset(first + j), d_size);
+      }
+      __m512 partial[kKeys];
+      for (int j = 0; j < kKeys; ++j) {
+        partial[j] = _mm512_setzero_ps();
+        if (j >= count) continue;
+        const float* key = b.key_cache + row_offset(first + j);
+        for (int c = 0; c < kChunks; ++c) partial[j] = _mm512_fmadd_ps(_mm512_loadu_ps(key + 16 * c), q[c], partial[j]);
+      }
+      const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+      const __m512 tile = reduce_16(partial);
+      _mm512_mask_storeu_ps(scores + first, valid, tile);
+      row_max = std::max(row_max, _mm512_mask_reduce_max_ps(valid, tile));
+    }
+
+    // Softmax numerators (exp_approx, as the tile kernel) and their sum.
+    float lanes[kLanes] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= seq_len; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        scores[j + l] = exp_approx(scores[j + l] - row_max);
+        lanes[l] += scores[j + l];
+      }
+    }
+    for (; j < seq_len; ++j) {
+      scores[j] = exp_approx(scores[j] - row_max);
+      lanes[0] += scores[j];
+    }
+    const float inv_sum = 1.0f / sum_lanes(lanes);
+
+    // Values.
+    __m512 acc[kChunks];
+    for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t pos = 0; pos < seq_len; ++pos) {
+      const float* value = b.value_cache + row_offset(pos);
+      const __m512 p = _mm512_set1_ps(scores[pos]);
+      for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * c), acc[c]);
+    }
+    float* out = b.out + (token * b.q_heads + head) * d_size;
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_sum)));
+  }
+}
+
+template <int kChunks = kMaxDecodeHeadDim / 16>
+void attend_dispatch(int chunks, const AttentionBatch<float>& b, const AttentionWorkItem& item, float* scores) {
+  if constexpr (kChunks >= 1) {
+    if (chunks == kChunks) return attend<kChunks>(b, item, scores);
+    return attend_dispatch<kChunks - 1>(chunks, b, item, scores);
+  }
+}
+
+#pragma GCC diagnostic pop
+
+}  // namespace
+
+void attend_decode_avx512(const AttentionBatch<float>& batch, const AttentionWorkItem& item, float* scores) {
+  attend_dispatch(static_cast<int>(batch.head_dim / 16), batch, item, scores);
+}
+
+#else
+
+bool decode_attention_supported(int64_t) { return false; }
+void attend_decode_avx512(const AttentionBatch<float>&, const AttentionWorkItem&, float*) {}
+
+#endif
+
+}  // namespace pagedserve::ops

@@ -1,0 +1,68 @@
+"""CPU weight packing: linear weights stored as bf16 tiles, arithmetic in float32.
+
+A decode step on a CPU streams every weight once and runs out of memory
+bandwidth and FMA throughput together; torch's float32 GEMM repacks the
+weight on every call. For a bf16 checkpoint run in float32 the weights are
+exactly bf16 values, so keeping them packed as bf16 (``ops.pack_linear_weight``,
+layout in cpp/ops/packed_weight_layout.h) halves the bytes each step reads
+and changes no weight: outputs match the float32 GEMM up to summation order.
+
+Modes (``EngineConfig.cpu_weight_dtype``):
+  "auto"     pack when the model computes in float32 and every linear weight
+             (and the LM head) is exactly representable in bf16 (lossless);
+  "bfloat16" pack float32 weights whatever they are (rounds to bf16);
+  "float32"  never pack (torch's float32 GEMM).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pagedserve import ops
+from pagedserve.models.layers import Linear
+
+logger = logging.getLogger("pagedserve")
+
+CPU_WEIGHT_DTYPES = ("auto", "bfloat16", "float32")
+
+
+def is_bf16_exact(weight: torch.Tensor) -> bool:
+    return bool(torch.equal(weight, weight.to(torch.bfloat16).to(weight.dtype)))
+
+
+def _layer_linears(model: nn.Module) -> list[tuple[str, Linear]]:
+    """The decoder's linears (the LM head, tied or not, is packed by the model itself)."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, Linear) and module is not model.lm_head]
+
+
+def _packable(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, weight) of every matrix the step multiplies by: linears and the LM head."""
+    return [(name, linear.weight) for name, linear in _layer_linears(model)] + [("lm_head", model.lm_head_weight())]
+
+
+def pack_cpu_weights(model: nn.Module, mode: str = "auto") -> bool:
+    """Packs ``model``'s linear weights and LM head per ``mode``; returns whether it did."""
+    if mode not in CPU_WEIGHT_DTYPES:
+        raise ValueError(f"cpu_weight_dtype {mode!r} is not supported; use one of {', '.join(CPU_WEIGHT_DTYPES)}")
+    config = model.config
+    if mode == "float32" or config.dtype != torch.float32 or model.lm_head_weight().device.type != "cpu":
+        return False
+    matrices = _packable(model)
+    if mode == "auto":
+        inexact = next((name for name, weight in matrices if not is_bf16_exact(weight)), None)
+        if inexact is not None:
+            logger.info("CPU weights stay float32: %s is not exactly bf16", inexact)
+            return False
+    for _, linear in _layer_linears(model):
+        linear.pack()
+    model.pack_lm_head()
+    logger.info("packed %d CPU weight matrices as bf16 tiles (%s)", len(matrices),
+                "lossless" if mode == "auto" else "rounded")
+    return True
+
+
+__all__ = ["CPU_WEIGHT_DTYPES", "is_bf16_exact", "pack_cpu_weights"]
