@@ -182,6 +182,11 @@ def main() -> None:
     llm = LLM(str(path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.4)
     variants.append(compare("pagedserve bf16, 32 prompts batched", ours_greedy(llm, prompts, False), want, scores))
     variants.append(compare("pagedserve bf16, one prompt at a time", ours_greedy(llm, prompts, True), want, scores))
+    # transformers' shapes exactly: a prefill of the whole prompt (no cached prefix), then M = 1 decodes.
+    alone = LLM(str(path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2, enable_prefix_caching=False)
+    variants.append(compare("pagedserve bf16, one at a time, no prefix cache", ours_greedy(alone, prompts, True),
+                            want, scores))
+    alone.shutdown()
     exact, max_diff = 0, 0.0
     with torch.inference_mode():
         for p in prompts:

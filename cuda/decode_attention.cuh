@@ -9,8 +9,13 @@
 //   in chunks of 64 tokens with a 3-stage cp.async pipeline; a chunk is whole
 //   (block, kv head) tiles, B x D contiguous values each, gathered through the
 //   block table with coalesced 16-byte copies. Each of the 4 warps runs the
-//   online softmax over its 16 tokens of every chunk (warp_attention.cuh);
-//   at the end the warps merge (m, l, O) through shared memory.
+//   online softmax over its 16 tokens of every chunk (warp_attention.cuh),
+//   against the running max of whole chunks: the warps exchange their tile
+//   maxima through shared memory before exponentiating, so probabilities are
+//   rounded exactly as a FlashAttention-2 / cuDNN kernel with 64-token key
+//   tiles rounds them (a partition's result is bit-identical to torch SDPA's
+//   on Hopper up to 256 tokens; bench/sdpa_numerics.py). At the end the warps
+//   merge (l, O) through shared memory.
 //   Rows whose context fits one partition write `out` directly; others leave
 //   O / l, m and l per partition in the workspace.
 // decode_reduce_kernel, one warp per (row, query head): merges the live
@@ -53,7 +58,8 @@ struct SharedLayout {
   static constexpr int kTileElems = kChunkTokens * kHeadDim;
   static constexpr int kQueryBytes = kHeadsPerCta * kHeadDim * static_cast<int>(sizeof(T));
   static constexpr int kStageBytes = 2 * kTileElems * static_cast<int>(sizeof(T));  // keys, then values
-  static constexpr int kBytes = kQueryBytes + kStages * kStageBytes;
+  static constexpr int kChunkMaxBytes = kWarps * kHeadsPerCta * 4;  // the per-chunk max exchange
+  static constexpr int kBytes = kQueryBytes + kStages * kStageBytes + kChunkMaxBytes;
   // After the main loop the stage area holds the warp merge: max and sum per
   // (warp, row), then each warp's rescaled O.
   static constexpr int kSlabRowFloats = kHeadDim + kSlabPad;
@@ -160,6 +166,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* query_tile = reinterpret_cast<T*>(shared_bytes);
   T* stages = reinterpret_cast<T*>(shared_bytes + Layout::kQueryBytes);
+  float* chunk_max = reinterpret_cast<float*>(shared_bytes + Layout::kQueryBytes + kStages * Layout::kStageBytes);
 
   const int row = static_cast<int>(blockIdx.z);
   const int partition = static_cast<int>(blockIdx.x);
@@ -209,13 +216,29 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (chunk == 0) load_query_fragments<T, kHeadDim>(q_frag, query_tile, lane);
     if (chunk + kStages - 1 < num_chunks) load_chunk(chunk + kStages - 1);
     cp_async_commit();
+    // Every warp takes part (a warp past `end` sees only masked, zero-filled
+    // keys) because the max exchange synchronizes the CTA.
     const int first = start + chunk * kChunkTokens + warp * kWarpTokens;
-    if (first < end) {
-      const int offset = warp * kWarpTokens * kHeadDim;
-      warp_attend<T, kHeadDim, kWarpTokens>(state, q_frag, key_tile(chunk) + offset, value_tile(chunk) + offset,
-                                            scale_log2, lane,
-                                            [&](int /*row*/, int key) { return first + key >= end; });
-    }
+    const int offset = warp * kWarpTokens * kHeadDim;
+    warp_attend<T, kHeadDim, kWarpTokens>(
+        state, q_frag, key_tile(chunk) + offset, value_tile(chunk) + offset, scale_log2, lane,
+        [&](int /*row*/, int key) { return first + key >= end; },
+        [&](float (&tile_max)[2]) {
+          // Written after this chunk's first barrier, read before the next chunk's: one buffer is enough.
+          const int g = lane / 4;
+          if (lane % 4 == 0) {
+            chunk_max[warp * kHeadsPerCta + g] = tile_max[0];
+            chunk_max[warp * kHeadsPerCta + g + 8] = tile_max[1];
+          }
+          __syncthreads();
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            float m = -INFINITY;
+#pragma unroll
+            for (int w = 0; w < kWarps; ++w) m = fmaxf(m, chunk_max[w * kHeadsPerCta + g + 8 * half]);
+            tile_max[half] = m;
+          }
+        });
   }
   cp_async_wait<0>();
   __syncthreads();  // the stage area becomes the merge area

@@ -9,10 +9,11 @@
 //
 // Inside the CTA: 4 warps x 16 query rows. The query tile is copied once to
 // shared memory and held as A fragments in registers; keys and values stream
-// in tiles of 64 tokens through a double-buffered cp.async pipeline gathering
+// in tiles of kKeyTokens through a double-buffered cp.async pipeline gathering
 // whole (block, kv head) rows through the block table (smem_tile.cuh). Each
 // warp computes S = Q K^T, the online softmax and O += P V in registers
-// (warp_attention.cuh). Causality: query i of the chunk sits at position
+// (warp_attention.cuh); key tiles are 128 tokens for head dim 64 (see
+// kKeyTokens). Causality: query i of the chunk sits at position
 // seq_len - q_len + i (after the cached prefix); key tiles entirely in the
 // future of a CTA are never loaded, tiles entirely in the past skip the mask,
 // and a warp skips a tile in its own future.
@@ -41,13 +42,19 @@ inline constexpr int kWarps = 4;
 inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kWarpRows = 16;  // mma M
 inline constexpr int kQueryRows = kWarps * kWarpRows;
-inline constexpr int kKeyTokens = 64;
 inline constexpr int kStages = 2;
+
+// Keys per tile: 128 for head dim 64, the tile torch SDPA's cuDNN kernel uses
+// on Hopper there, so probabilities round at the same points and the output
+// is bit-identical to it (bench/sdpa_numerics.py); 64 for larger heads, to
+// keep two CTAs per SM.
+template <int kHeadDim>
+inline constexpr int kKeyTokens = kHeadDim <= 64 ? 128 : 64;
 
 template <typename T, int kHeadDim>
 struct SharedLayout {
   static constexpr int kQueryBytes = kQueryRows * kHeadDim * static_cast<int>(sizeof(T));
-  static constexpr int kTileElems = kKeyTokens * kHeadDim;
+  static constexpr int kTileElems = kKeyTokens<kHeadDim> * kHeadDim;
   static constexpr int kStageBytes = 2 * kTileElems * static_cast<int>(sizeof(T));  // keys, then values
   static constexpr int kBytes = kQueryBytes + kStages * kStageBytes;
   static_assert(kQueryBytes % 16 == 0 && kStageBytes % 16 == 0, "tiles stay 16-byte aligned");
@@ -76,6 +83,7 @@ __device__ __forceinline__ void store_rows(WarpAttentionState<kHeadDim>& state, 
 template <typename T, int kHeadDim, int kBlockSize>
 __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(const PagedAttentionParams p) {
   using Layout = SharedLayout<T, kHeadDim>;
+  constexpr int kKeys = kKeyTokens<kHeadDim>;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* query_tile = reinterpret_cast<T*>(shared_bytes);
   T* stages = reinterpret_cast<T*>(shared_bytes + Layout::kQueryBytes);
@@ -89,9 +97,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(const Pa
   const int seq_len = p.seq_lens[row];
   const int tile_first_pos = seq_len - q_len + m0;  // position of the CTA's first query
   const int kv_end = min(seq_len, tile_first_pos + kQueryRows);
-  const int num_tiles = kv_end > 0 ? (kv_end + kKeyTokens - 1) / kKeyTokens : 0;
+  const int num_tiles = kv_end > 0 ? (kv_end + kKeys - 1) / kKeys : 0;
   // Tiles [0, num_full_tiles) hold only keys every query of the CTA sees.
-  const int num_full_tiles = tile_first_pos >= 0 ? (tile_first_pos + 1) / kKeyTokens : 0;
+  const int num_full_tiles = tile_first_pos >= 0 ? (tile_first_pos + 1) / kKeys : 0;
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -103,8 +111,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(const Pa
   auto key_tile = [&](int tile) { return stages + tile % kStages * 2 * Layout::kTileElems; };
   auto value_tile = [&](int tile) { return key_tile(tile) + Layout::kTileElems; };
   auto load_tile = [&](int tile) {
-    load_kv_tiles_async<T, kHeadDim, kBlockSize, kKeyTokens, kThreads>(key_tile(tile), value_tile(tile), key_cache,
-                                                                       value_cache, block_table, tile * kKeyTokens,
+    load_kv_tiles_async<T, kHeadDim, kBlockSize, kKeys, kThreads>(key_tile(tile), value_tile(tile), key_cache,
+                                                                       value_cache, block_table, tile * kKeys,
                                                                        kv_end, kv_head, p.num_kv_heads, tid);
   };
 
@@ -131,18 +139,16 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(const Pa
     }
     if (tile + kStages - 1 < num_tiles) load_tile(tile + kStages - 1);
     cp_async_commit();
-    const int first_key = tile * kKeyTokens;
+    const int first_key = tile * kKeys;
     if (first_key > warp_first_pos + kWarpRows - 1) continue;  // wholly in this warp's future
-    if (tile < num_full_tiles) {
-      warp_attend<T, kHeadDim, kKeyTokens>(state, q_frag, key_tile(tile), value_tile(tile), scale_log2, lane,
-                                           [](int, int) { return false; });
-    } else {
-      warp_attend<T, kHeadDim, kKeyTokens>(
-          state, q_frag, key_tile(tile), value_tile(tile), scale_log2, lane, [&](int r, int key) {
-            const int position = first_key + key;
-            return position > warp_first_pos + r || position >= seq_len;
-          });
-    }
+    // One inlined copy of the tile code (a second, mask-free one costs registers the
+    // 128-key tiles do not have); the mask is a no-op for tiles every query sees.
+    const bool full_tile = tile < num_full_tiles;
+    warp_attend<T, kHeadDim, kKeys>(state, q_frag, key_tile(tile), value_tile(tile), scale_log2, lane,
+                                    [&](int r, int key) {
+                                      const int position = first_key + key;
+                                      return !full_tile && (position > warp_first_pos + r || position >= seq_len);
+                                    });
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits
 

@@ -38,13 +38,28 @@ __device__ __forceinline__ void load_query_fragments(uint32_t (&q)[kHeadDim / 16
   for (int ks = 0; ks < kHeadDim / 16; ++ks) ldmatrix_x4(q[ks], tile + Tile::offset(lane % 16, 2 * ks + lane / 16));
 }
 
+// The max a tile's probabilities are taken against: this warp's own tile
+// max. (The decode kernel passes an exchange that makes it the max of the
+// whole chunk across its warps; see there.)
+struct OwnTileMax {
+  __device__ __forceinline__ void operator()(float (&)[2]) const {}
+};
+
 // Attends the warp's 16 query rows to kKeys keys: rows [0, kKeys) of the
 // swizzled key and value tiles. masked(row, key) says whether row (0..15)
 // must not see key (0..kKeys-1); pass a lambda returning false for none.
-template <typename T, int kHeadDim, int kKeys, typename Masked>
+// share_max(tile_max) may replace the tile max of rows g and g + 8 (the same
+// in every lane of a quad) before it updates the running max.
+//
+// Rounding follows FlashAttention-2 (and cuDNN's fused attention, which torch
+// SDPA picks on Hopper): scores in float32, probabilities exp2(s - m) against
+// the running max m over the tiles seen so far, rounded to T for P V, the row
+// sum from the unrounded ones. With the same tile boundaries the output is
+// bit-identical to it (bench/sdpa_numerics.py).
+template <typename T, int kHeadDim, int kKeys, typename Masked, typename ShareMax = OwnTileMax>
 __device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
                                             const uint32_t (&q)[kHeadDim / 16][4], const T* keys, const T* values,
-                                            float scale_log2, int lane, Masked masked) {
+                                            float scale_log2, int lane, Masked masked, ShareMax share_max = {}) {
   using Tile = SwizzledTile<kHeadDim>;
   static_assert(kKeys % 16 == 0, "keys come in k-steps of 16");
   constexpr int kKeyTiles = kKeys / 8;  // C fragments of scores, 8 keys each
@@ -52,9 +67,9 @@ __device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
   // S = Q K^T. An x4 ldmatrix yields b0/b1 for keys [0, 8) and [8, 16) of a 16-key slice.
   float s[kKeyTiles][4] = {};
 #pragma unroll
-  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+  for (int slice = 0; slice < kKeys / 16; ++slice) {
 #pragma unroll
-    for (int slice = 0; slice < kKeys / 16; ++slice) {
+    for (int ks = 0; ks < kHeadDim / 16; ++ks) {
       uint32_t b[4];
       ldmatrix_x4(b, keys + Tile::offset(slice * 16 + (lane / 16) * 8 + lane % 8, 2 * ks + (lane / 8) % 2));
       mma_m16n8k16<T>(s[2 * slice], q[ks], b[0], b[1]);
@@ -74,12 +89,18 @@ __device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
   }
 
   // Online softmax: rescale what was accumulated under the old max.
+  float tile_max[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float tile_max = -INFINITY;
+    float m = -INFINITY;
 #pragma unroll
-    for (int n = 0; n < kKeyTiles; ++n) tile_max = fmaxf(tile_max, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
-    const float new_max = fmaxf(state.max[half], quad_max(tile_max));
+    for (int n = 0; n < kKeyTiles; ++n) m = fmaxf(m, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
+    tile_max[half] = quad_max(m);
+  }
+  share_max(tile_max);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float new_max = fmaxf(state.max[half], tile_max[half]);
     const float rescale = exp2_shifted(state.max[half], new_max);
     state.max[half] = new_max;
     float tile_sum = 0.f;

@@ -104,6 +104,8 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float v, int lane_mask) {
   return other;
 }
 
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 
