@@ -9,8 +9,9 @@ reference. Reported side by side:
   - for every prompt that differs: the first differing step and transformers'
     top-2 logit gap there (a near-tie flips on rounding noise);
   - first-step logits: how many prompts match transformers bit for bit;
-  - layer 0 of prompt 0, sub-layer by sub-layer (q, k, v, attention output,
-    o_proj, MLP): where the two computations first differ in a single bit;
+  - for the first prompt whose first-step logits differ, the first layer that
+    differs, sub-layer by sub-layer (norm, q, k, v, attention output, o_proj,
+    MLP): where the two computations first differ in a single bit;
   - the SDPA backend torch picks for transformers' prefill and decode shapes.
 
     python bench/bf16_agreement.py [--out DIR]      (needs a CUDA GPU and the CUDA build)
@@ -92,10 +93,10 @@ def capture(modules: dict, pre: set):
     return seen, handles
 
 
-def layer0_probe(llm, hf, prompt):
-    """Bitwise comparison of layer 0's pieces for one prompt's prefill."""
-    ours_layer = llm.llm_engine.worker.model.model.layers[0]
-    hf_layer = hf.model.layers[0]
+def layer_probe(llm, hf, prompt, index):
+    """Bitwise comparison of layer `index`'s pieces for one prompt's prefill."""
+    ours_layer = llm.llm_engine.worker.model.model.layers[index]
+    hf_layer = hf.model.layers[index]
     attn_args = {}
     h0 = ours_layer.self_attn.attn.register_forward_pre_hook(
         lambda m, args: attn_args.update(q=args[0].clone(), k=args[1].clone(), v=args[2].clone()))
@@ -138,7 +139,7 @@ def layer0_probe(llm, hf, prompt):
         k = attn_args["k"].transpose(0, 1)[None]
         v = attn_args["v"].transpose(0, 1)[None]
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        pairs["attention kernel vs SDPA, same q/k/v"] = (ours_seen["attn_out"], ref[0].transpose(0, 1))
+        pairs["attention kernel, vs SDPA on the same q/k/v"] = (ours_seen["attn_out"], ref[0].transpose(0, 1))
     rows = []
     for name, (a, b) in pairs.items():
         a, b = a.reshape(-1).float(), b.reshape(-1).float()
@@ -182,21 +183,32 @@ def main() -> None:
     llm = LLM(str(path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.4)
     variants.append(compare("pagedserve bf16, 32 prompts batched", ours_greedy(llm, prompts, False), want, scores))
     variants.append(compare("pagedserve bf16, one prompt at a time", ours_greedy(llm, prompts, True), want, scores))
+    llm.shutdown()
     # transformers' shapes exactly: a prefill of the whole prompt (no cached prefix), then M = 1 decodes.
     alone = LLM(str(path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.2, enable_prefix_caching=False)
     variants.append(compare("pagedserve bf16, one at a time, no prefix cache", ours_greedy(alone, prompts, True),
                             want, scores))
-    alone.shutdown()
-    exact, max_diff = 0, 0.0
+    exact, max_diff, first_inexact = 0, 0.0, None
     with torch.inference_mode():
-        for p in prompts:
-            mine = first_step_logits(llm, p)
+        for i, p in enumerate(prompts):
+            mine = first_step_logits(alone, p)
             theirs = hf(torch.tensor([p], device="cuda")).logits[0, -1].float()
-            exact += int(torch.equal(mine, theirs))
+            same = torch.equal(mine, theirs)
+            exact += int(same)
+            if not same and first_inexact is None:
+                first_inexact = i
             max_diff = max(max_diff, float((mine - theirs).abs().max()))
-    probe = layer0_probe(llm, hf, prompts[0])
-    cfg = llm.llm_engine.worker.model.config
-    llm.shutdown()
+    # Walk the layers of the first prompt whose first-step logits differ: the first piece that
+    # differs in the first layer that differs is where the computations part.
+    probe_prompt = 0 if first_inexact is None else first_inexact
+    probe_layer, probe = 0, layer_probe(alone, hf, prompts[probe_prompt], 0)
+    for index in range(len(hf.model.layers)):
+        rows = layer_probe(alone, hf, prompts[probe_prompt], index)
+        probe_layer, probe = index, rows
+        if any(r["bitwise_equal"] != r["elements"] for r in rows if "," not in r["piece"]):
+            break
+    cfg = alone.llm_engine.worker.model.config
+    alone.shutdown()
     eager = LLM(str(path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.4, enforce_eager=True)
     variants.append(compare("pagedserve bf16, one at a time, no CUDA graphs", ours_greedy(eager, prompts, True),
                             want, scores))
@@ -208,11 +220,13 @@ def main() -> None:
         ["variant", "agree", "diverging (prompt@step: hf top-2 gap)"])
     text = (f"# bf16 greedy agreement with transformers bf16 (sdpa), {N_TOKENS} tokens, 32 prompts\n\n{table}\n\n"
             f"First-step logits bit-identical to transformers: {exact}/32 prompts (max abs diff {max_diff:.3g}).\n\n"
-            f"SDPA backend transformers gets: {sdpa}\n\n## Layer 0, prompt 0 (prefill)\n\n"
+            f"SDPA backend transformers gets: {sdpa}\n\n## Layer {probe_layer}, prompt {probe_prompt} (prefill, "
+            f"{len(prompts[probe_prompt])} tokens): the first layer that differs\n\n"
             + markdown_table(probe, ["piece", "elements", "bitwise_equal", "max_abs_diff"]))
     print(text)
     save("bf16_agreement", {"variants": variants, "first_step_exact": exact, "first_step_max_abs_diff": max_diff,
-                            "layer0_probe": probe, "sdpa_backends": sdpa}, text, args.out)
+                            "probe": {"prompt": probe_prompt, "layer": probe_layer, "pieces": probe},
+                            "sdpa_backends": sdpa}, text, args.out)
 
 
 if __name__ == "__main__":
