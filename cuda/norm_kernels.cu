@@ -14,6 +14,13 @@
 // Rounding matches the CPU ops and HF's LlamaRMSNorm: the normalized value is
 // rounded to the dtype before the weight multiply, and the fused variant
 // normalizes the residual as stored (rounded), not the float sum.
+//
+// Where torch would reduce the row with its vectorized block reduction (rows
+// of more than 128 elements, a multiple of 4; see TorchRowOrder), the mean of
+// squares is summed in exactly torch's order (x.pow(2).mean(-1) on a [T, H]
+// CUDA tensor) and finished as transformers does (* 1/H, rsqrt), so a bf16
+// model normalizes bit for bit as transformers does on the same rows
+// (bench/bf16_agreement.py). Other rows use the tree below.
 #include <algorithm>
 
 #include "arg_checks.h"
@@ -92,6 +99,89 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
   }
 }
 
+// torch's ReduceConfig for a sum over the contiguous last dim of a [rows, hidden]
+// float tensor (aten/src/ATen/native/cuda/Reduce.cuh, setReduceConfig and
+// set_block_dimension, 512 threads at most): `width` threads share a row;
+// thread t sums 4-wide vectors t, t + width, ... in four lane accumulators,
+// adds them (((a0 + a1) + a2) + a3), then the threads fold pairwise: through
+// shared memory while width > 32 (t += t + offset, offset = width / 2 .. 32),
+// then by warp shuffles down with offsets 1, 2, 4, 8, 16.
+struct TorchRowOrder {
+  int width = 0;  // 0: torch would not take this path; use our own order
+  float inv_hidden = 0.f;  // torch's mean factor: float(rows) / float(rows * hidden)
+
+  static int last_pow2(int64_t n) {
+    int p = 1;
+    while (2 * static_cast<int64_t>(p) <= n) p *= 2;
+    return p;
+  }
+
+  static TorchRowOrder of(int rows, int hidden) {
+    constexpr int kMaxThreads = 512;
+    TorchRowOrder order;
+    if (hidden <= 128 || hidden % 4 != 0) return order;  // torch: no vectorized input
+    const int64_t dim0 = hidden / 4;
+    const int dim0_pow2 = dim0 < kMaxThreads ? last_pow2(dim0) : kMaxThreads;
+    const int dim1_pow2 = rows < kMaxThreads ? last_pow2(rows) : kMaxThreads;
+    int width = std::min(dim0_pow2, 32);
+    const int height = std::min(dim1_pow2, kMaxThreads / width);
+    width = std::min(dim0_pow2, kMaxThreads / height);
+    const int values_per_thread = ceil_div(hidden, width);
+    if (values_per_thread >= height * 16 || values_per_thread >= 256) return order;  // torch splits across warps
+    order.width = width;
+    order.inv_hidden = static_cast<float>(rows) / static_cast<float>(static_cast<int64_t>(rows) * hidden);
+    return order;
+  }
+};
+
+// One block of max(width, 128) threads per row; squares staged in shared memory.
+template <typename T, bool kAddResidual>
+__global__ void __launch_bounds__(512)
+    rms_norm_torch_order_kernel(T* out, const T* in, T* residual, const T* weight, float eps, int hidden,
+                                int width, float inv_hidden) {
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  float* squares = reinterpret_cast<float*>(shared_bytes);  // [hidden], then [width] partial sums
+  float* partial = squares + hidden;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int64_t row_offset = static_cast<int64_t>(blockIdx.x) * hidden;
+  for (int i = tid; i < hidden; i += static_cast<int>(blockDim.x)) {
+    float v = to_float(in[row_offset + i]);
+    if constexpr (kAddResidual) {
+      v = round_through<T>(v + to_float(residual[row_offset + i]));
+      residual[row_offset + i] = from_float<T>(v);
+    }
+    squares[i] = __fmul_rn(v, v);  // torch squares into a tensor first: no fused multiply-add
+  }
+  __syncthreads();
+  float sum = 0.f;
+  if (tid < width) {
+    float lanes[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int v = tid; 4 * v + 3 < hidden; v += width) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) lanes[i] = __fadd_rn(lanes[i], squares[4 * v + i]);
+    }
+    sum = __fadd_rn(__fadd_rn(__fadd_rn(lanes[0], lanes[1]), lanes[2]), lanes[3]);
+    partial[tid] = sum;
+  }
+  for (int offset = width / 2; offset >= 32; offset /= 2) {
+    __syncthreads();
+    if (tid < offset) {
+      sum = __fadd_rn(sum, partial[tid + offset]);
+      partial[tid] = sum;
+    }
+  }
+  if (tid < 32) {
+    for (int offset = 1; offset < min(width, 32); offset *= 2) sum = __fadd_rn(sum, __shfl_down_sync(0xffffffffu, sum, offset));
+    if (tid == 0) partial[0] = sum;
+  }
+  __syncthreads();
+  const float inv_rms = rsqrtf(__fadd_rn(__fmul_rn(partial[0], inv_hidden), eps));
+  for (int i = tid; i < hidden; i += static_cast<int>(blockDim.x)) {
+    const float v = kAddResidual ? to_float(residual[row_offset + i]) : to_float(in[row_offset + i]);
+    out[row_offset + i] = from_float<T>(round_through<T>(__fmul_rn(v, inv_rms)) * to_float(weight[i]));
+  }
+}
+
 int next_pow2(int n) {
   int p = 1;
   while (p < n) p *= 2;
@@ -104,6 +194,17 @@ void launch_rms_norm(const char* op, void* out, const TensorView& in, void* resi
   const int rows = checked_int(op, "rows", in.size(0));
   const int hidden = checked_int(op, "hidden size", in.size(1));
   if (rows == 0 || hidden == 0) return;
+  const TorchRowOrder order = TorchRowOrder::of(rows, hidden);
+  const size_t order_smem = static_cast<size_t>(hidden + std::max(order.width, 1)) * sizeof(float);
+  if (order.width > 0 && order_smem <= 48 * 1024) {
+    dispatch_float(in.dtype, op, [&]<typename T>() {
+      rms_norm_torch_order_kernel<T, kAddResidual><<<rows, std::max(order.width, 128), order_smem, stream>>>(
+          static_cast<T*>(out), in.ptr<const T>(), static_cast<T*>(residual), weight.ptr<const T>(), eps, hidden,
+          order.width, order.inv_hidden);
+    });
+    check_launch(kAddResidual ? "fused_add_rms_norm_kernel" : "rms_norm_kernel");
+    return;
+  }
   dispatch_float(in.dtype, op, [&]<typename T>() {
     const bool aligned = is_aligned16(out) && is_aligned16(in.data) && is_aligned16(weight.data) &&
                          (residual == nullptr || is_aligned16(residual));

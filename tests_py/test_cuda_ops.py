@@ -139,6 +139,31 @@ def test_rms_norm_unaligned_and_per_head(dtype):
     assert_close(out, rms_norm_ref(x, weight, 1e-5), dtype, "misaligned vs float64", seed)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 10, 40, 300])
+@pytest.mark.parametrize("hidden", [576, 2048])
+def test_rms_norm_is_bit_identical_to_transformers(rows, hidden):
+    """bf16 rows normalize exactly as transformers' LlamaRMSNorm does on the same tensor (same
+    summation order as torch's mean, same rsqrt), with and without the residual add."""
+    seed = fresh_seed()
+    seeded(seed)
+    x, residual = randn((rows, hidden), torch.bfloat16, 3.0), randn((rows, hidden), torch.bfloat16, 3.0)
+    weight = randn((hidden,), torch.bfloat16)
+    eps = 1e-5
+
+    def llama_rms_norm(h):  # transformers' LlamaRMSNorm.forward
+        h32 = h.to(torch.float32)
+        variance = h32.pow(2).mean(-1, keepdim=True)
+        return weight * (h32 * torch.rsqrt(variance + eps)).to(torch.bfloat16)
+
+    out = nan_like(x)
+    cuda_op("rms_norm", out, x, weight, eps)
+    assert torch.equal(out, llama_rms_norm(x)), f"rms_norm differs from transformers (seed {seed})"
+    new_residual = residual + x
+    cuda_op("fused_add_rms_norm", x, residual, weight, eps)
+    assert torch.equal(residual, new_residual), f"residual differs (seed {seed})"
+    assert torch.equal(x, llama_rms_norm(new_residual)), f"fused_add_rms_norm differs from transformers (seed {seed})"
+
+
 def fused_add_rms_norm_ref(x, residual, weight, eps):
     new_residual = (x.double() + residual.double()).to(x.dtype)  # the residual is stored rounded
     return rms_norm_ref(new_residual, weight, eps), new_residual

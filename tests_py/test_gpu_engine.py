@@ -90,7 +90,9 @@ def test_smollm2_bf16_agrees_with_transformers_on_the_same_gpu(default_model_pat
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.bfloat16).cuda().eval()
     hf32 = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32).cuda().eval()
-    llm = LLM(str(default_model_path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.5)
+    # Without a prefix cache every prompt is prefilled whole, as transformers does.
+    llm = LLM(str(default_model_path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.3,
+              enable_prefix_caching=False)
     try:
         _compare_with_transformers(llm, hf, hf32, smollm2_prompts)
     finally:
@@ -98,37 +100,39 @@ def test_smollm2_bf16_agrees_with_transformers_on_the_same_gpu(default_model_pat
 
 
 def _compare_with_transformers(llm, hf, hf32, smollm2_prompts):
-    ours = token_ids(llm.generate([{"prompt_token_ids": p} for p in smollm2_prompts], greedy(16), use_tqdm=False))
     want = _hf_greedy(hf, smollm2_prompts, 16)
-    agree = sum(a == b for a, b in zip(ours, want))
+    # transformers generates one prompt at a time; so do we, for the same matrix shapes (cuBLAS picks
+    # its kernels, and so its summation order, by shape). Our attention and norms round as
+    # transformers' do (bench/bf16_agreement.py), so the text should agree wherever that holds.
+    alone = [token_ids(llm.generate([{"prompt_token_ids": p}], greedy(16), use_tqdm=False))[0]
+             for p in smollm2_prompts]
+    batched = token_ids(llm.generate([{"prompt_token_ids": p} for p in smollm2_prompts], greedy(16), use_tqdm=False))
+    agree = sum(a == b for a, b in zip(alone, want))
+    agree_batched = sum(a == b for a, b in zip(batched, want))
     hf_self = sum(a == b for a, b in zip(want, _hf_greedy(hf32, smollm2_prompts, 16)))
-    # How far two attention implementations of transformers itself, both bf16, agree: the noise floor.
-    from transformers import AutoModelForCausalLM
-    hf_eager = AutoModelForCausalLM.from_pretrained(llm.llm_engine.worker.model_dir, dtype=torch.bfloat16,
-                                                    attn_implementation="eager").cuda().eval()
-    hf_two_kernels = sum(a == b for a, b in zip(want, _hf_greedy(hf_eager, smollm2_prompts, 16)))
-    print(f"transformers bf16 sdpa vs transformers bf16 eager attention: {hf_two_kernels}/32 agree")
     # First-step logits of every prompt: ours through the paged path vs transformers', both bf16;
     # transformers' own bf16 error against float32 is the yardstick for "bf16 tolerance".
-    errs, errs_fp32, hf_errs = [], [], []
+    errs, errs_fp32, hf_errs, identical = [], [], [], 0
     with torch.inference_mode():
         for p in smollm2_prompts:
             ids = torch.tensor([p], device="cuda")
             ref = hf32(ids).logits[0, -1].float()
             theirs = hf(ids).logits[0, -1].float()
             mine = _first_step_logits(llm, p)
+            identical += int(torch.equal(mine, theirs))
             errs.append(((mine - theirs).norm() / theirs.norm()).item())
             errs_fp32.append(((mine - ref).norm() / ref.norm()).item())
             hf_errs.append(((theirs - ref).norm() / ref.norm()).item())
     ours_vs_fp32 = max(errs_fp32)
-    print(f"greedy agreement with transformers bf16: {agree}/32 (transformers bf16 vs its own float32: "
-          f"{hf_self}/32); first-step logits: max relative error vs transformers bf16 {max(errs):.2e}, "
-          f"ours vs float32 {ours_vs_fp32:.2e}, transformers bf16 vs float32 {max(hf_errs):.2e}")
-    # bf16 tolerance is what transformers' own bf16 run shows against float32: our logits may be no
-    # further from float32 than that, and our greedy text may disagree with transformers bf16 on at
-    # most a few more prompts than transformers bf16 disagrees with itself in float32.
+    print(f"greedy agreement with transformers bf16: {agree}/32 one prompt at a time, {agree_batched}/32 with "
+          f"all 32 batched (transformers bf16 vs its own float32: {hf_self}/32); first-step logits bit-identical "
+          f"for {identical}/32 prompts, max relative error vs transformers bf16 {max(errs):.2e}, ours vs float32 "
+          f"{ours_vs_fp32:.2e}, transformers bf16 vs float32 {max(hf_errs):.2e}")
     assert ours_vs_fp32 < 1.5 * max(hf_errs) + 1e-3, "further from float32 than bf16 rounding explains"
-    assert agree >= min(29, hf_self) - 3, f"only {agree}/32 prompts agree on the first 16 tokens"
+    assert agree >= 29, f"only {agree}/32 prompts agree on the first 16 tokens"
+    # Batched, the matrix shapes differ from transformers' and bf16 near-ties may flip: allow what
+    # transformers' own float32 run shows, plus a little.
+    assert agree_batched >= min(29, hf_self) - 3, f"batched: only {agree_batched}/32 prompts agree"
 
 
 def _first_step_logits(llm, prompt):

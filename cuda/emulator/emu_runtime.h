@@ -104,7 +104,20 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float v, int lane_mask) {
   return other;
 }
 
+inline float __shfl_down_sync(unsigned /*mask*/, float v, int delta) {
+  emu::Warp& w = emu::warp();
+  w.value[emu::lane_id] = v;
+  w.barrier.arrive_and_wait();
+  const int from = emu::lane_id + delta;
+  const float other = from < 32 ? w.value[from] : v;
+  w.barrier.arrive_and_wait();
+  return other;
+}
+
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
