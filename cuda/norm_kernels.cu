@@ -16,7 +16,8 @@
 // normalizes the residual as stored (rounded), not the float sum.
 //
 // Where torch would reduce the row with its vectorized block reduction (rows
-// of more than 128 elements, a multiple of 4; see TorchRowOrder), the mean of
+// of more than 128 elements, a multiple of 4, up to 8 vectors per thread; see
+// TorchRowOrder), the mean of
 // squares is summed in exactly torch's order (x.pow(2).mean(-1) on a [T, H]
 // CUDA tensor) and finished as transformers does (* 1/H, rsqrt), so a bf16
 // model normalizes bit for bit as transformers does on the same rows
@@ -128,6 +129,9 @@ struct TorchRowOrder {
     width = std::min(dim0_pow2, kMaxThreads / height);
     const int values_per_thread = ceil_div(hidden, width);
     if (values_per_thread >= height * 16 || values_per_thread >= 256) return order;  // torch splits across warps
+    // Checked bit for bit on an H200 (tests_py/test_cuda_ops.py) up to 8 vectors per thread; at 16
+    // (hidden 2048, 16+ rows) torch's order is not this one, so such rows keep our own tree.
+    if (ceil_div(hidden / 4, width) > 8) return order;
     order.width = width;
     order.inv_hidden = static_cast<float>(rows) / static_cast<float>(static_cast<int64_t>(rows) * hidden);
     return order;
