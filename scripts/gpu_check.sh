@@ -61,7 +61,8 @@ for stage in "${STAGES[@]}"; do
     agreement)
       run_stage bf16_agreement python3 bench/bf16_agreement.py --out "$RUN" ;;
     numerics)
-      run_stage sdpa_numerics python3 bench/sdpa_numerics.py --out "$RUN" ;;
+      run_stage sdpa_numerics python3 bench/sdpa_numerics.py --out "$RUN"
+      run_stage norm_numerics python3 bench/norm_numerics.py --out "$RUN" ;;
     e2e_dummy)  # tok/s vs concurrency against transformers, TinyLlama-1.1B shapes
       run_stage e2e_tinyllama python3 bench/throughput.py --device cuda --shape tinyllama-1.1b --plot --out "$RUN" ;;
     e2e_real)  # the same on the default model's real weights
