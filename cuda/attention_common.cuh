@@ -32,17 +32,8 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// The hardware exp2 (ex2.approx.ftz), as FlashAttention-2 and cuDNN use it for
-// the softmax of 16-bit attention: the same instruction rounds P the same way.
-__device__ __forceinline__ float fast_exp2(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return exp2f(x);
-#endif
-}
+// exp2(x - max) that stays 0 (not NaN) while a row has seen no key (max = -inf).
+__device__ __forceinline__ float exp2_shifted(float x, float max) { return exp2f(x - (max == -INFINITY ? 0.f : max)); }
 
 // Partitions of a decode row that hold keys. Both decode kernels use this one
 // formula, so they agree on which rows the reduction must finish. Clamped to

@@ -94,7 +94,6 @@ __device__ __forceinline__ void merge_warps_and_store(WarpAttentionState<kHeadDi
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const float scale_log2 = p.scale * kLog2e;
   float* row_maxes = merge;                        // [kWarps][16] per-warp row max
   float* row_sums = merge + kWarps * kHeadsPerCta;  // [kWarps][16] per-warp row sum
   float* slab = merge + 2 * kWarps * kHeadsPerCta;        // [kWarps][16][kSlabRowFloats]
@@ -116,8 +115,7 @@ __device__ __forceinline__ void merge_warps_and_store(WarpAttentionState<kHeadDi
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int r = g + 8 * half;
-    // Maxima are raw scores (warp_attention.cuh); 0 for a warp that saw no token.
-    const float factor = state.max[half] == -INFINITY ? 0.f : exp2f((state.max[half] - row_max(r)) * scale_log2);
+    const float factor = exp2f(state.max[half] - row_max(r));  // 0 for a warp that saw no token
     float* dst = slab + (warp * kHeadsPerCta + r) * Layout::kSlabRowFloats + 2 * (lane % 4);
 #pragma unroll
     for (int d = 0; d < kHeadDim / 8; ++d) {
@@ -136,8 +134,7 @@ __device__ __forceinline__ void merge_warps_and_store(WarpAttentionState<kHeadDi
     float l = 0.f;
     float acc[8] = {};
     for (int w = 0; w < kWarps; ++w) {
-      const float warp_max = row_maxes[w * kHeadsPerCta + r];
-      if (warp_max != -INFINITY) l += row_sums[w * kHeadsPerCta + r] * exp2f((warp_max - m) * scale_log2);
+      l += row_sums[w * kHeadsPerCta + r] * exp2f(row_maxes[w * kHeadsPerCta + r] - m);
       const float* src = slab + (w * kHeadsPerCta + r) * Layout::kSlabRowFloats + col;
       float part[8];
       load_as_float(part, src);
@@ -155,7 +152,7 @@ __device__ __forceinline__ void merge_warps_and_store(WarpAttentionState<kHeadDi
       const int64_t slot = (static_cast<int64_t>(row) * p.num_heads + head) * split.num_partitions + partition;
       store_from_float(split.partial_out + slot * kHeadDim + col, acc);
       if (col == 0) {
-        split.partial_max[slot] = m * scale_log2;  // the reduction works in log2 units
+        split.partial_max[slot] = m;
         split.partial_sum[slot] = l;
       }
     }

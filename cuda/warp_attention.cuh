@@ -4,8 +4,8 @@
 // heads of one kv head; the prefill kernel's rows are 16 query tokens.
 //
 // Per lane (g = lane / 4, q = lane % 4) the state covers rows g and g + 8:
-// the running max m (of the raw scores q.k) and partial sum l of each row, and
-// the 16 x D output O as D / 8 C fragments.
+// the running max m and partial sum l of each row, and the 16 x D output O as
+// D / 8 C fragments. Scores are in the log2 domain.
 #pragma once
 
 #include <cstdint>
@@ -19,7 +19,7 @@ namespace pagedserve::cuda {
 
 template <int kHeadDim>
 struct WarpAttentionState {
-  float max[2] = {-INFINITY, -INFINITY};  // rows g, g + 8; raw scores (not yet scaled)
+  float max[2] = {-INFINITY, -INFINITY};  // rows g, g + 8
   float sum[2] = {0.f, 0.f};              // this lane's share until finish_sums()
   float out[kHeadDim / 8][4] = {};        // C fragment per 8 output columns
 
@@ -84,7 +84,7 @@ __device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const bool hidden = masked(g + (e / 2) * 8, n * 8 + key_in_tile + e % 2);
-      s[n][e] = hidden ? -INFINITY : s[n][e];
+      s[n][e] = hidden ? -INFINITY : s[n][e] * scale_log2;
     }
   }
 
@@ -98,19 +98,16 @@ __device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
     tile_max[half] = quad_max(m);
   }
   share_max(tile_max);
-  // As FlashAttention-2 writes it: p = exp2(s * c - m * c) as one FMA, with
-  // c = scale * log2(e), and the old sum rescaled by exp2((m_old - m) * c).
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float new_max = fmaxf(state.max[half], tile_max[half]);
-    const float max_scaled = new_max == -INFINITY ? 0.f : new_max * scale_log2;
-    const float rescale = state.max[half] == -INFINITY ? 0.f : fast_exp2((state.max[half] - new_max) * scale_log2);
+    const float rescale = exp2_shifted(state.max[half], new_max);
     state.max[half] = new_max;
     float tile_sum = 0.f;
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n) {
-      s[n][2 * half] = fast_exp2(fmaf(s[n][2 * half], scale_log2, -max_scaled));
-      s[n][2 * half + 1] = fast_exp2(fmaf(s[n][2 * half + 1], scale_log2, -max_scaled));
+      s[n][2 * half] = exp2_shifted(s[n][2 * half], new_max);
+      s[n][2 * half + 1] = exp2_shifted(s[n][2 * half + 1], new_max);
       tile_sum += s[n][2 * half] + s[n][2 * half + 1];
     }
     state.sum[half] = state.sum[half] * rescale + tile_sum;
