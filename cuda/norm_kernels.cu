@@ -145,13 +145,19 @@ __global__ void __launch_bounds__(512)
   float* partial = squares + hidden;
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t row_offset = static_cast<int64_t>(blockIdx.x) * hidden;
-  for (int i = tid; i < hidden; i += static_cast<int>(blockDim.x)) {
-    float v = to_float(in[row_offset + i]);
+  // 4 elements per step (hidden % 4 == 0), as vectors where the row is 8-byte aligned.
+  for (int i = 4 * tid; i < hidden; i += 4 * static_cast<int>(blockDim.x)) {
+    float v[4];
+    load_as_float(v, in + row_offset + i);
     if constexpr (kAddResidual) {
-      v = round_through<T>(v + to_float(residual[row_offset + i]));
-      residual[row_offset + i] = from_float<T>(v);
+      float r[4];
+      load_as_float(r, residual + row_offset + i);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[e] = round_through<T>(v[e] + r[e]);
+      store_from_float(residual + row_offset + i, v);
     }
-    squares[i] = __fmul_rn(v, v);  // torch squares into a tensor first: no fused multiply-add
+#pragma unroll
+    for (int e = 0; e < 4; ++e) squares[i + e] = __fmul_rn(v[e], v[e]);  // torch squares into a tensor first: no FMA
   }
   __syncthreads();
   float sum = 0.f;
@@ -177,9 +183,13 @@ __global__ void __launch_bounds__(512)
   }
   __syncthreads();
   const float inv_rms = rsqrtf(__fadd_rn(__fmul_rn(partial[0], inv_hidden), eps));
-  for (int i = tid; i < hidden; i += static_cast<int>(blockDim.x)) {
-    const float v = kAddResidual ? to_float(residual[row_offset + i]) : to_float(in[row_offset + i]);
-    out[row_offset + i] = from_float<T>(round_through<T>(__fmul_rn(v, inv_rms)) * to_float(weight[i]));
+  for (int i = 4 * tid; i < hidden; i += 4 * static_cast<int>(blockDim.x)) {
+    float v[4], w[4];
+    load_as_float(v, (kAddResidual ? static_cast<const T*>(residual) : in) + row_offset + i);
+    load_as_float(w, weight + i);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = round_through<T>(__fmul_rn(v[e], inv_rms)) * w[e];
+    store_from_float(out + row_offset + i, v);
   }
 }
 
@@ -197,7 +207,9 @@ void launch_rms_norm(const char* op, void* out, const TensorView& in, void* resi
   if (rows == 0 || hidden == 0) return;
   const TorchRowOrder order = TorchRowOrder::of(rows, hidden);
   const size_t order_smem = static_cast<size_t>(hidden + std::max(order.width, 1)) * sizeof(float);
-  if (order.width > 0 && order_smem <= 48 * 1024) {
+  const bool aligned16 = is_aligned16(out) && is_aligned16(in.data) && is_aligned16(weight.data) &&
+                         (residual == nullptr || is_aligned16(residual));  // the kernel loads 4-element vectors
+  if (order.width > 0 && order_smem <= 48 * 1024 && aligned16) {
     dispatch_float(in.dtype, op, [&]<typename T>() {
       rms_norm_torch_order_kernel<T, kAddResidual><<<rows, std::max(order.width, 128), order_smem, stream>>>(
           static_cast<T*>(out), in.ptr<const T>(), static_cast<T*>(residual), weight.ptr<const T>(), eps, hidden,

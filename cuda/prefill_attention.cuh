@@ -141,14 +141,21 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(const Pa
     cp_async_commit();
     const int first_key = tile * kKeys;
     if (first_key > warp_first_pos + kWarpRows - 1) continue;  // wholly in this warp's future
-    // One inlined copy of the tile code (a second, mask-free one costs registers the
-    // 128-key tiles do not have); the mask is a no-op for tiles every query sees.
     const bool full_tile = tile < num_full_tiles;
-    warp_attend<T, kHeadDim, kKeys>(state, q_frag, key_tile(tile), value_tile(tile), scale_log2, lane,
-                                    [&](int r, int key) {
-                                      const int position = first_key + key;
-                                      return !full_tile && (position > warp_first_pos + r || position >= seq_len);
-                                    });
+    auto future = [&](int r, int key) {
+      const int position = first_key + key;
+      return position > warp_first_pos + r || position >= seq_len;
+    };
+    if constexpr (kKeys > 64) {
+      // One inlined copy of the tile code: a second, mask-free one costs registers 128-key tiles lack.
+      warp_attend<T, kHeadDim, kKeys>(state, q_frag, key_tile(tile), value_tile(tile), scale_log2, lane,
+                                      [&](int r, int key) { return !full_tile && future(r, key); });
+    } else if (full_tile) {
+      warp_attend<T, kHeadDim, kKeys>(state, q_frag, key_tile(tile), value_tile(tile), scale_log2, lane,
+                                      [](int, int) { return false; });
+    } else {
+      warp_attend<T, kHeadDim, kKeys>(state, q_frag, key_tile(tile), value_tile(tile), scale_log2, lane, future);
+    }
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits
 

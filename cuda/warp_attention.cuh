@@ -65,15 +65,27 @@ __device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
   constexpr int kKeyTiles = kKeys / 8;  // C fragments of scores, 8 keys each
 
   // S = Q K^T. An x4 ldmatrix yields b0/b1 for keys [0, 8) and [8, 16) of a 16-key slice.
+  // Either loop order sums each score over k in the same order; key slices
+  // outermost keeps fewer fragments live (128-key tiles need that), head-dim
+  // steps outermost schedules better where registers allow.
   float s[kKeyTiles][4] = {};
+  auto score_slice = [&](int slice, int ks) {
+    uint32_t b[4];
+    ldmatrix_x4(b, keys + Tile::offset(slice * 16 + (lane / 16) * 8 + lane % 8, 2 * ks + (lane / 8) % 2));
+    mma_m16n8k16<T>(s[2 * slice], q[ks], b[0], b[1]);
+    mma_m16n8k16<T>(s[2 * slice + 1], q[ks], b[2], b[3]);
+  };
+  if constexpr (kKeys > 64) {
 #pragma unroll
-  for (int slice = 0; slice < kKeys / 16; ++slice) {
+    for (int slice = 0; slice < kKeys / 16; ++slice) {
+#pragma unroll
+      for (int ks = 0; ks < kHeadDim / 16; ++ks) score_slice(slice, ks);
+    }
+  } else {
 #pragma unroll
     for (int ks = 0; ks < kHeadDim / 16; ++ks) {
-      uint32_t b[4];
-      ldmatrix_x4(b, keys + Tile::offset(slice * 16 + (lane / 16) * 8 + lane % 8, 2 * ks + (lane / 8) % 2));
-      mma_m16n8k16<T>(s[2 * slice], q[ks], b[0], b[1]);
-      mma_m16n8k16<T>(s[2 * slice + 1], q[ks], b[2], b[3]);
+#pragma unroll
+      for (int slice = 0; slice < kKeys / 16; ++slice) score_slice(slice, ks);
     }
   }
 
