@@ -235,6 +235,20 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     assert out.token_ids[3] == EOS
 
 
+def test_min_tokens_with_ignore_eos_and_no_stop_ids_masks_nothing():
+    """The one-pass sampling path takes such rows (nothing to mask): EOS stays an ordinary token."""
+    vocab = 20
+    logits = random_logits(2, vocab, seed=12)
+    logits[:, EOS] = 50.0
+    sampler = Sampler("cpu", vocab, [EOS], seed=0)
+    params = SamplingParams(temperature=0.0, min_tokens=5, ignore_eos=True)
+    out = sampler(logits, [row(params, output=[1]), row(SamplingParams(temperature=0.0, min_tokens=5), output=[1])])
+    assert out.token_ids[0] == EOS
+    masked = logits[1].clone()
+    masked[EOS] = NEG_INF
+    assert out.token_ids[1] == int(masked.argmax())
+
+
 def test_min_tokens_applies_to_random_rows():
     vocab = 16
     logits = random_logits(1, vocab, seed=11)

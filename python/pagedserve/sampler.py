@@ -189,7 +189,8 @@ class Sampler:
             p = row.params
             if row.num_samples != 1 or p.has_penalties or p.logprobs is not None:
                 return False
-            if len(row.output_token_ids) < p.min_tokens and (p.stop_token_ids or self.eos_token_ids):
+            blocks_eos = bool(self.eos_token_ids) and not p.ignore_eos  # as _min_tokens_block decides
+            if len(row.output_token_ids) < p.min_tokens and (p.stop_token_ids or blocks_eos):
                 return False
             if p.greedy:
                 continue
