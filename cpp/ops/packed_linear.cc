@@ -9,7 +9,7 @@
 //    float32, so this is a float32 GEMM with a different summation order, at
 //    a rate that leaves the step bound by streaming the weights.
 //  - AVX-512: widens each weight to float32 (one shift or mask per 16) and
-//    keeps a block of up to 16 rows of x in registers against a column tile.
+//    keeps a block of up to 12 rows of x in registers against two column tiles.
 //  - portable: plain loops the compiler vectorizes (other ISAs; the oracle's
 //    second opinion in tests).
 // Column tiles are split across threads; each tile's weights stay in L1/L2
