@@ -3,26 +3,24 @@
 Skipped where no GPU (or no CUDA build) is present; scripts/gpu_check.sh runs it.
 """
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams, _core
+
+# The agreement check shares its prompts and helpers with its diagnosis script.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from agreement_prompts import agreement_prompts  # noqa: E402
+from bf16_agreement import first_step_logits, hf_greedy  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not (torch.cuda.is_available() and _core.has_cuda), reason="needs a CUDA GPU and USE_CUDA=ON"),
 ]
 
-PROMPTS = [
-    "The capital of France is",
-    "def quicksort(arr):",
-    "In 1969, the first humans",
-    "The recipe for a good pancake starts with",
-    "Water boils at",
-    "A list of prime numbers: 2, 3, 5,",
-    "The mitochondria is",
-    "Dear diary, today I",
-]
 
 
 def greedy(n_tokens: int) -> SamplingParams:
@@ -64,26 +62,7 @@ def release(llm) -> None:
 @pytest.fixture(scope="module")
 def smollm2_prompts(default_model_path):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(default_model_path)
-    texts = PROMPTS + [f"Question {i}: what is {i} times {i + 3}? Answer:" for i in range(12)] + \
-        [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-         for q in ("Name three fruits.", "What is 2+2?", "Tell me a joke.", "Who wrote Hamlet?",
-                   "Translate 'hello' to French.", "What color is the sky?", "Define entropy.",
-                   "What is the speed of light?", "Give me a synonym for happy.", "How many legs has a spider?",
-                   "What is Python?", "Say something nice.")]
-    ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
-    assert len(ids) == 32
-    return ids
-
-
-def _hf_greedy(hf, prompts, n_tokens):
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            outs.append(hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens,
-                                    min_new_tokens=n_tokens, do_sample=False, pad_token_id=0)[0, len(p):].tolist())
-    return outs
+    return agreement_prompts(AutoTokenizer.from_pretrained(default_model_path))
 
 
 def test_smollm2_bf16_agrees_with_transformers_on_the_same_gpu(default_model_path, smollm2_prompts):
@@ -100,7 +79,7 @@ def test_smollm2_bf16_agrees_with_transformers_on_the_same_gpu(default_model_pat
 
 
 def _compare_with_transformers(llm, hf, hf32, smollm2_prompts):
-    want = _hf_greedy(hf, smollm2_prompts, 16)
+    want = hf_greedy(hf, smollm2_prompts)[0]  # N_TOKENS (16) each
     # transformers generates one prompt at a time; so do we, for the same matrix shapes (cuBLAS picks
     # its kernels, and so its summation order, by shape). Our attention and norms round as
     # transformers' do (bench/bf16_agreement.py), so the text should agree wherever that holds.
@@ -109,7 +88,7 @@ def _compare_with_transformers(llm, hf, hf32, smollm2_prompts):
     batched = token_ids(llm.generate([{"prompt_token_ids": p} for p in smollm2_prompts], greedy(16), use_tqdm=False))
     agree = sum(a == b for a, b in zip(alone, want))
     agree_batched = sum(a == b for a, b in zip(batched, want))
-    hf_self = sum(a == b for a, b in zip(want, _hf_greedy(hf32, smollm2_prompts, 16)))
+    hf_self = sum(a == b for a, b in zip(want, hf_greedy(hf32, smollm2_prompts)[0]))
     # First-step logits of every prompt: ours through the paged path vs transformers', both bf16;
     # transformers' own bf16 error against float32 is the yardstick for "bf16 tolerance".
     errs, errs_fp32, hf_errs, identical = [], [], [], 0
@@ -118,7 +97,7 @@ def _compare_with_transformers(llm, hf, hf32, smollm2_prompts):
             ids = torch.tensor([p], device="cuda")
             ref = hf32(ids).logits[0, -1].float()
             theirs = hf(ids).logits[0, -1].float()
-            mine = _first_step_logits(llm, p)
+            mine = first_step_logits(llm, p)
             identical += int(torch.equal(mine, theirs))
             errs.append(((mine - theirs).norm() / theirs.norm()).item())
             errs_fp32.append(((mine - ref).norm() / ref.norm()).item())
@@ -137,18 +116,6 @@ def _compare_with_transformers(llm, hf, hf32, smollm2_prompts):
     # Batched, the matrix shapes differ from transformers' and bf16 near-ties may flip: allow what
     # transformers' own float32 run shows, plus a little.
     assert agree_batched >= min(29, hf_self) - 3, f"batched: only {agree_batched}/32 prompts agree"
-
-
-def _first_step_logits(llm, prompt):
-    """Logits of the prompt's last position through the engine's own runner."""
-    engine = llm.llm_engine
-    worker = engine.worker
-    seq = worker.scheduler.add_sequence(prompt, max_tokens=1)
-    step = worker.scheduler.schedule()
-    logits = worker.runner.compute_logits(step)[0].float()
-    worker.scheduler.update([0])
-    assert worker.scheduler.sequence(seq) is None
-    return logits
 
 
 @pytest.mark.parametrize("options", [
