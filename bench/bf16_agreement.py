@@ -201,11 +201,11 @@ def main() -> None:
     # Walk the layers of the first prompt whose first-step logits differ: the first piece that
     # differs in the first layer that differs is where the computations part.
     probe_prompt = 0 if first_inexact is None else first_inexact
-    probe_layer, probe = 0, layer_probe(alone, hf, prompts[probe_prompt], 0)
+    probe_layer, probe = None, []
     for index in range(len(hf.model.layers)):
         rows = layer_probe(alone, hf, prompts[probe_prompt], index)
-        probe_layer, probe = index, rows
         if any(r["bitwise_equal"] != r["elements"] for r in rows if "," not in r["piece"]):
+            probe_layer, probe = index, rows
             break
     cfg = alone.llm_engine.worker.model.config
     alone.shutdown()
@@ -220,9 +220,11 @@ def main() -> None:
         ["variant", "agree", "diverging (prompt@step: hf top-2 gap)"])
     text = (f"# bf16 greedy agreement with transformers bf16 (sdpa), {N_TOKENS} tokens, 32 prompts\n\n{table}\n\n"
             f"First-step logits bit-identical to transformers: {exact}/32 prompts (max abs diff {max_diff:.3g}).\n\n"
-            f"SDPA backend transformers gets: {sdpa}\n\n## Layer {probe_layer}, prompt {probe_prompt} (prefill, "
-            f"{len(prompts[probe_prompt])} tokens): the first layer that differs\n\n"
-            + markdown_table(probe, ["piece", "elements", "bitwise_equal", "max_abs_diff"]))
+            f"SDPA backend transformers gets: {sdpa}\n\n" + (
+                f"## Layer {probe_layer}, prompt {probe_prompt} (prefill, {len(prompts[probe_prompt])} tokens): "
+                "the first layer that differs\n\n"
+                + markdown_table(probe, ["piece", "elements", "bitwise_equal", "max_abs_diff"])
+                if probe else f"Every sub-layer of every layer is bit-identical on prompt {probe_prompt}."))
     print(text)
     save("bf16_agreement", {"variants": variants, "first_step_exact": exact, "first_step_max_abs_diff": max_diff,
                             "probe": {"prompt": probe_prompt, "layer": probe_layer, "pieces": probe},

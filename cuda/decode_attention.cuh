@@ -2,24 +2,24 @@
 // flash-decoding with split-K partitions and a reduction kernel.
 //
 // decode_partition_kernel, grid (partition, kv head x head chunk, row):
-//   A CTA owns one partition (64..512 tokens) of one row's context for the
+//   A CTA owns one partition (256..512 tokens) of one row's context for the
 //   query heads that share one kv head (up to 16 per CTA: the M of
 //   mma.m16n8k16, zero-padded for smaller groups), so every K/V tile is read
 //   from HBM once per GQA group. The partition streams through shared memory
 //   in chunks of 64 tokens with a 3-stage cp.async pipeline; a chunk is whole
 //   (block, kv head) tiles, B x D contiguous values each, gathered through the
-//   block table with coalesced 16-byte copies. Each of the 4 warps runs the
-//   online softmax over its 16 tokens of every chunk (warp_attention.cuh),
-//   against the running max of whole chunks: the warps exchange their tile
-//   maxima through shared memory before exponentiating, so probabilities are
-//   rounded exactly as a FlashAttention-2 / cuDNN kernel with 64-token key
-//   tiles rounds them (a partition's result is bit-identical to torch SDPA's
-//   on Hopper up to 256 tokens; bench/sdpa_numerics.py). At the end the warps
-//   merge (l, O) through shared memory.
+//   block table with coalesced 16-byte copies. Per chunk, each of the 4 warps
+//   scores 16 of its tokens; the warps exchange tile maxima and then the
+//   probabilities through shared memory, and each warp accumulates P V for its
+//   quarter of the head dim over all 64 tokens, in token order. So each row
+//   sum and each output element is one chain over 64-token tiles, rounded as
+//   cuDNN's decode attention (torch SDPA on Hopper) rounds it: a partition's
+//   result is bit-identical to SDPA's up to 256 tokens
+//   (bench/softmax_numerics.py), which is why partitions are not cut shorter.
 //   Rows whose context fits one partition write `out` directly; others leave
 //   O / l, m and l per partition in the workspace.
-// decode_reduce_kernel, one warp per (row, query head): merges the live
-//   partitions (it reads seq_lens: the grid was sized from max_seq_len).
+// decode_reduce_kernel (decode_reduce.cuh), one warp per (row, query head):
+//   merges the live partitions.
 //
 // Numbers for 64 rows x 4096 tokens, 32 q / 8 kv heads, D 128, bf16:
 //   K + V read once: 64 * 4096 * 8 * 128 * 2 B * 2 = 1.07 GB; grid 8 x 8 x 64
@@ -34,6 +34,7 @@
 #include "attention_common.cuh"
 #include "attention_params.h"
 #include "cuda_check.h"
+#include "decode_reduce.cuh"
 #include "float_convert.cuh"
 #include "mma.cuh"
 #include "smem_tile.cuh"
@@ -49,23 +50,28 @@ inline constexpr int kWarpTokens = 16;   // one k-step of P V per warp and chunk
 inline constexpr int kChunkTokens = kWarps * kWarpTokens;
 inline constexpr int kStages = 3;
 inline constexpr int kMaxPartitionTokens = 512;
-inline constexpr int kMinPartitionTokens = 64;
-inline constexpr int kSlabPad = 8;  // floats per merge-slab row: spreads rows over banks
-inline constexpr int kReduceWarpsPerBlock = 4;
+inline constexpr int kMinPartitionTokens = 256;  // shorter contexts stay one chain (see above)
+inline constexpr int kProbStride = kChunkTokens + 8;  // floats per probability row: spreads rows over banks
 
 template <typename T, int kHeadDim>
 struct SharedLayout {
   static constexpr int kTileElems = kChunkTokens * kHeadDim;
   static constexpr int kQueryBytes = kHeadsPerCta * kHeadDim * static_cast<int>(sizeof(T));
   static constexpr int kStageBytes = 2 * kTileElems * static_cast<int>(sizeof(T));  // keys, then values
-  static constexpr int kChunkMaxBytes = kWarps * kHeadsPerCta * 4;  // the per-chunk max exchange
-  static constexpr int kBytes = kQueryBytes + kStages * kStageBytes + kChunkMaxBytes;
-  // After the main loop the stage area holds the warp merge: max and sum per
-  // (warp, row), then each warp's rescaled O.
-  static constexpr int kSlabRowFloats = kHeadDim + kSlabPad;
-  static constexpr int kMergeFloats = 2 * kWarps * kHeadsPerCta + kWarps * kHeadsPerCta * kSlabRowFloats;
-  static_assert(kMergeFloats * 4 <= kStages * kStageBytes, "the merge must fit in the stage area");
+  static constexpr int kChunkMaxBytes = kWarps * kHeadsPerCta * 4;                  // the per-chunk max exchange
+  static constexpr int kProbBytes = kHeadsPerCta * kProbStride * 4;                 // the chunk's probabilities
+  static constexpr int kBytes = kQueryBytes + kStages * kStageBytes + kChunkMaxBytes + kProbBytes;
   static_assert(kQueryBytes % 16 == 0 && kStageBytes % 16 == 0, "tiles stay 16-byte aligned");
+};
+
+// One warp's online-softmax state: rows g and g + 8 (lane = 4 g + q) of the
+// CTA's heads, and the output columns this warp owns.
+template <int kHeadDim>
+struct DecodeWarpState {
+  static constexpr int kColumns = kHeadDim / kWarps;
+  float max[2] = {-INFINITY, -INFINITY};
+  float sum[2] = {0.f, 0.f};           // this lane's share until the quad sums it
+  float out[kColumns / 8][4] = {};     // C fragment per 8 output columns
 };
 
 // The query heads a CTA serves: [first, first + count) of one kv head's group.
@@ -83,78 +89,114 @@ __device__ __forceinline__ HeadRange cta_heads(const PagedAttentionParams& p) {
   return {kv_head, first, min(kHeadsPerCta, (kv_head + 1) * group_size - first)};
 }
 
-// Merges the 4 warps' softmax states and writes the CTA's rows: to `out`
-// when this partition is the row's only one, else to the workspace.
+// Writes this warp's columns of the CTA's rows: to `out` when this partition is
+// the row's only one, else O / l, m and l to the workspace.
 template <typename T, int kHeadDim>
-__device__ __forceinline__ void merge_warps_and_store(WarpAttentionState<kHeadDim>& state, float* merge,
-                                                      const PagedAttentionParams& p, const DecodeSplit& split,
-                                                      const HeadRange& heads, int row, int token, int partition,
-                                                      bool only_partition) {
-  using Layout = SharedLayout<T, kHeadDim>;
-  const int tid = static_cast<int>(threadIdx.x);
-  const int warp = tid / 32;
-  const int lane = tid % 32;
-  float* row_maxes = merge;                        // [kWarps][16] per-warp row max
-  float* row_sums = merge + kWarps * kHeadsPerCta;  // [kWarps][16] per-warp row sum
-  float* slab = merge + 2 * kWarps * kHeadsPerCta;        // [kWarps][16][kSlabRowFloats]
-  state.finish_sums();
-  const int g = lane / 4;
-  if (lane % 4 == 0) {
-    for (int half = 0; half < 2; ++half) {
-      row_maxes[warp * kHeadsPerCta + g + 8 * half] = state.max[half];
-      row_sums[warp * kHeadsPerCta + g + 8 * half] = state.sum[half];
-    }
-  }
-  __syncthreads();
-
-  auto row_max = [&](int r) {
-    float m = row_maxes[r];
-    for (int w = 1; w < kWarps; ++w) m = fmaxf(m, row_maxes[w * kHeadsPerCta + r]);
-    return m;  // finite: warp 0 always saw the partition's first token
-  };
+__device__ __forceinline__ void store_partition(DecodeWarpState<kHeadDim>& state, const PagedAttentionParams& p,
+                                                const DecodeSplit& split, const HeadRange& heads, int row, int token,
+                                                int partition, bool only_partition, int warp, int lane) {
+  constexpr int kColumns = DecodeWarpState<kHeadDim>::kColumns;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int r = g + 8 * half;
-    const float factor = exp2f(state.max[half] - row_max(r));  // 0 for a warp that saw no token
-    float* dst = slab + (warp * kHeadsPerCta + r) * Layout::kSlabRowFloats + 2 * (lane % 4);
+    const float l = quad_sum(state.sum[half]);  // >= 1: the max token contributes exp2(0)
+    const int r = lane / 4 + 8 * half;
+    if (r >= heads.count) continue;
+    const int head = heads.first + r;
+    const float inv_l = approx_reciprocal_or_zero(l);
+    const int64_t slot = (static_cast<int64_t>(row) * p.num_heads + head) * split.num_partitions + partition;
+    const int first_col = warp * kColumns + 2 * (lane % 4);
 #pragma unroll
-    for (int d = 0; d < kHeadDim / 8; ++d) {
-      *reinterpret_cast<float2*>(dst + 8 * d) =
-          make_float2(state.out[d][2 * half] * factor, state.out[d][2 * half + 1] * factor);
+    for (int d = 0; d < kColumns / 8; ++d) {
+      const float pair[2] = {state.out[d][2 * half] * inv_l, state.out[d][2 * half + 1] * inv_l};
+      const int col = first_col + 8 * d;
+      if (only_partition) {
+        store_from_float(static_cast<T*>(p.out) + (static_cast<int64_t>(token) * p.num_heads + head) * kHeadDim + col,
+                         pair);
+      } else {
+        store_from_float(split.partial_out + slot * kHeadDim + col, pair);
+      }
+    }
+    if (!only_partition && warp == 0 && lane % 4 == 0) {
+      split.partial_max[slot] = state.max[half];
+      split.partial_sum[slot] = l;
+    }
+  }
+}
+
+// One 64-token chunk for the warp's rows: scores of its 16 tokens, the
+// chunk's max from all warps, probabilities shared through shared memory, then
+// the row sums and P V for the warp's columns over all 64 tokens in order.
+template <typename T, int kHeadDim, typename Masked>
+__device__ __forceinline__ void attend_chunk(DecodeWarpState<kHeadDim>& state, const uint32_t (&q)[kHeadDim / 16][4],
+                                             const T* keys, const T* values, float scale_log2, float* chunk_max,
+                                             float* probs, int warp, int lane, Masked masked) {
+  using Tile = SwizzledTile<kHeadDim>;
+  constexpr int kColumns = DecodeWarpState<kHeadDim>::kColumns;
+  const int g = lane / 4;
+  const int q2 = 2 * (lane % 4);
+  float s[kWarpTokens / 8][4];
+  warp_scores<T, kHeadDim, kWarpTokens>(s, q, keys + warp * kWarpTokens * kHeadDim, scale_log2, lane, masked);
+  float tile_max[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float m0 = fmaxf(s[0][2 * half], s[0][2 * half + 1]);
+    tile_max[half] = quad_max(fmaxf(m0, fmaxf(s[1][2 * half], s[1][2 * half + 1])));
+  }
+  // Written after this chunk's first barrier, read before its last: one buffer is enough.
+  if (lane % 4 == 0) {
+    chunk_max[warp * kHeadsPerCta + g] = tile_max[0];
+    chunk_max[warp * kHeadsPerCta + g + 8] = tile_max[1];
+  }
+  __syncthreads();
+  float rescale[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float m = state.max[half];
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, chunk_max[w * kHeadsPerCta + g + 8 * half]);
+    rescale[half] = exp2_shifted(state.max[half], m);
+    state.max[half] = m;
+  }
+#pragma unroll
+  for (int n = 0; n < kWarpTokens / 8; ++n) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float m = state.max[half];
+      *reinterpret_cast<float2*>(probs + (g + 8 * half) * kProbStride + warp * kWarpTokens + 8 * n + q2) =
+          make_float2(exp2_shifted(s[n][2 * half], m), exp2_shifted(s[n][2 * half + 1], m));
     }
   }
   __syncthreads();
 
-  constexpr int kChunksPerRow = kHeadDim / 8;
-  for (int item = tid; item < kHeadsPerCta * kChunksPerRow; item += kThreads) {
-    const int r = item / kChunksPerRow;
-    const int col = item % kChunksPerRow * 8;
-    if (r >= heads.count) continue;
-    const float m = row_max(r);
-    float l = 0.f;
-    float acc[8] = {};
-    for (int w = 0; w < kWarps; ++w) {
-      l += row_sums[w * kHeadsPerCta + r] * exp2f(row_maxes[w * kHeadsPerCta + r] - m);
-      const float* src = slab + (w * kHeadsPerCta + r) * Layout::kSlabRowFloats + col;
-      float part[8];
-      load_as_float(part, src);
+  // This lane's probabilities of the whole chunk: tokens 8i + q2 and 8i + q2 + 1 of rows g and g + 8.
+  float2 p[2][kChunkTokens / 8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] += part[i];
+  for (int half = 0; half < 2; ++half) {
+    float tile_sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kChunkTokens / 8; ++i) {
+      p[half][i] = *reinterpret_cast<const float2*>(probs + (g + 8 * half) * kProbStride + 8 * i + q2);
+      tile_sum = (tile_sum + p[half][i].x) + p[half][i].y;
     }
-    const float inv_l = 1.f / l;  // l >= 1: the max token contributes exp2(0)
+    state.sum[half] = state.sum[half] * rescale[half] + tile_sum;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] *= inv_l;
-    const int head = heads.first + r;
-    if (only_partition) {
-      T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(token) * p.num_heads + head) * kHeadDim + col;
-      store_from_float(out, acc);
-    } else {
-      const int64_t slot = (static_cast<int64_t>(row) * p.num_heads + head) * split.num_partitions + partition;
-      store_from_float(split.partial_out + slot * kHeadDim + col, acc);
-      if (col == 0) {
-        split.partial_max[slot] = m;
-        split.partial_sum[slot] = l;
-      }
+    for (int d = 0; d < kColumns / 8; ++d) {
+      state.out[d][2 * half] *= rescale[half];
+      state.out[d][2 * half + 1] *= rescale[half];
+    }
+  }
+#pragma unroll
+  for (int ks = 0; ks < kChunkTokens / 16; ++ks) {
+    const uint32_t a[4] = {pack2<T>(p[0][2 * ks].x, p[0][2 * ks].y), pack2<T>(p[1][2 * ks].x, p[1][2 * ks].y),
+                           pack2<T>(p[0][2 * ks + 1].x, p[0][2 * ks + 1].y),
+                           pack2<T>(p[1][2 * ks + 1].x, p[1][2 * ks + 1].y)};
+#pragma unroll
+    for (int j = 0; j < kColumns / 16; ++j) {
+      uint32_t b[4];
+      const int slice = warp * (kColumns / 16) + j;  // 16-column slice of the head dim
+      ldmatrix_x4_trans(b, values + Tile::offset(ks * 16 + lane % 16, 2 * slice + lane / 16));
+      mma_m16n8k16<T>(state.out[2 * j], a, b[0], b[1]);
+      mma_m16n8k16<T>(state.out[2 * j + 1], a, b[2], b[3]);
     }
   }
 }
@@ -167,6 +209,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   T* query_tile = reinterpret_cast<T*>(shared_bytes);
   T* stages = reinterpret_cast<T*>(shared_bytes + Layout::kQueryBytes);
   float* chunk_max = reinterpret_cast<float*>(shared_bytes + Layout::kQueryBytes + kStages * Layout::kStageBytes);
+  float* probs = chunk_max + kWarps * kHeadsPerCta;
 
   const int row = static_cast<int>(blockIdx.z);
   const int partition = static_cast<int>(blockIdx.x);
@@ -209,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int lane = tid % 32;
   const float scale_log2 = p.scale * kLog2e;
   uint32_t q_frag[kHeadDim / 16][4];
-  WarpAttentionState<kHeadDim> state;
+  DecodeWarpState<kHeadDim> state;
   for (int chunk = 0; chunk < num_chunks; ++chunk) {
     cp_async_wait<kStages - 2>();  // this chunk (and the query) landed for this thread...
     __syncthreads();               // ...and for all; everyone is done with the stage reloaded next
@@ -217,70 +260,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (chunk + kStages - 1 < num_chunks) load_chunk(chunk + kStages - 1);
     cp_async_commit();
     // Every warp takes part (a warp past `end` sees only masked, zero-filled
-    // keys) because the max exchange synchronizes the CTA.
+    // keys) because the exchanges synchronize the CTA.
     const int first = start + chunk * kChunkTokens + warp * kWarpTokens;
-    const int offset = warp * kWarpTokens * kHeadDim;
-    warp_attend<T, kHeadDim, kWarpTokens>(
-        state, q_frag, key_tile(chunk) + offset, value_tile(chunk) + offset, scale_log2, lane,
-        [&](int /*row*/, int key) { return first + key >= end; },
-        [&](float (&tile_max)[2]) {
-          // Written after this chunk's first barrier, read before the next chunk's: one buffer is enough.
-          const int g = lane / 4;
-          if (lane % 4 == 0) {
-            chunk_max[warp * kHeadsPerCta + g] = tile_max[0];
-            chunk_max[warp * kHeadsPerCta + g + 8] = tile_max[1];
-          }
-          __syncthreads();
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            float m = -INFINITY;
-#pragma unroll
-            for (int w = 0; w < kWarps; ++w) m = fmaxf(m, chunk_max[w * kHeadsPerCta + g + 8 * half]);
-            tile_max[half] = m;
-          }
-        });
+    attend_chunk<T, kHeadDim>(state, q_frag, key_tile(chunk), value_tile(chunk), scale_log2, chunk_max, probs, warp,
+                              lane, [&](int /*row*/, int key) { return first + key >= end; });
   }
   cp_async_wait<0>();
-  __syncthreads();  // the stage area becomes the merge area
-  merge_warps_and_store<T, kHeadDim>(state, reinterpret_cast<float*>(stages), p, split, heads, row, token, partition,
-                                     num_live == 1);
-}
-
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kReduceWarpsPerBlock * 32)
-    decode_reduce_kernel(const PagedAttentionParams p, const DecodeSplit split) {
-  constexpr int kPerLane = kHeadDim / 32;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int warp_index = static_cast<int>(blockIdx.x) * kReduceWarpsPerBlock + static_cast<int>(threadIdx.x) / 32;
-  const int row = warp_index / p.num_heads;
-  const int head = warp_index % p.num_heads;
-  if (row >= p.num_decodes) return;
-  const int num_live = live_partitions(p.seq_lens[row], split.partition_tokens, split.num_partitions);
-  if (num_live <= 1) return;  // written by the partition kernel
-  const int64_t first_slot = (static_cast<int64_t>(row) * p.num_heads + head) * split.num_partitions;
-
-  float global_max = -INFINITY;
-  for (int i = lane; i < num_live; i += 32) global_max = fmaxf(global_max, split.partial_max[first_slot + i]);
-  global_max = warp_max(global_max);
-
-  float acc[kPerLane] = {};
-  float total = 0.f;
-#pragma unroll 4
-  for (int i = 0; i < num_live; ++i) {
-    const int64_t slot = first_slot + i;
-    const float weight = split.partial_sum[slot] * exp2f(split.partial_max[slot] - global_max);
-    total += weight;
-    float part[kPerLane];
-    load_as_float(part, split.partial_out + slot * kHeadDim + lane * kPerLane);
-#pragma unroll
-    for (int e = 0; e < kPerLane; ++e) acc[e] += weight * part[e];
-  }
-  const float inv_total = 1.f / total;
-#pragma unroll
-  for (int e = 0; e < kPerLane; ++e) acc[e] *= inv_total;
-  const int token = p.query_start_loc[row];
-  T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(token) * p.num_heads + head) * kHeadDim + lane * kPerLane;
-  store_from_float(out, acc);
+  store_partition<T, kHeadDim>(state, p, split, heads, row, token, partition, num_live == 1, warp, lane);
 }
 
 }  // namespace decode

@@ -4,7 +4,8 @@
 //
 // Split-K plan: partitions of 512 tokens by default; when the decode grid
 // (rows x kv heads x partitions) would not fill the GPU twice over, the
-// partitions halve (down to 64 tokens) as long as the caller's workspace
+// partitions halve (down to 256 tokens: a shorter context stays one chain, as
+// cuDNN computes it; decode_attention.cuh) as long as the caller's workspace
 // holds the extra partials. Everything the plan reads is fixed for a captured
 // CUDA graph: host bounds, the workspace size and the SM count.
 #include <type_traits>

@@ -70,7 +70,7 @@ __device__ __forceinline__ void store_rows(WarpAttentionState<kHeadDim>& state, 
     const int r = first_row + lane / 4 + 8 * half;
     if (r >= num_rows) continue;
     const float sum = state.sum[half];
-    const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;  // 0 only for a row that sees no key (bad lengths)
+    const float inv_sum = approx_reciprocal_or_zero(sum);
     T* dst = out + r * row_stride + 2 * (lane % 4);
 #pragma unroll
     for (int d = 0; d < kHeadDim / 8; ++d) {

@@ -1,7 +1,8 @@
 // One warp's share of flash attention on tensor cores: 16 query rows (the
 // M of mma.m16n8k16) against key / value tiles staged in shared memory, with
-// an online softmax kept in registers. The decode kernel's rows are the query
-// heads of one kv head; the prefill kernel's rows are 16 query tokens.
+// an online softmax kept in registers. The prefill kernel's rows are 16 query
+// tokens; the decode kernel (whose rows are the query heads of one kv head)
+// uses warp_scores and runs its own softmax across warps.
 //
 // Per lane (g = lane / 4, q = lane % 4) the state covers rows g and g + 8:
 // the running max m and partial sum l of each row, and the 16 x D output O as
@@ -38,37 +39,21 @@ __device__ __forceinline__ void load_query_fragments(uint32_t (&q)[kHeadDim / 16
   for (int ks = 0; ks < kHeadDim / 16; ++ks) ldmatrix_x4(q[ks], tile + Tile::offset(lane % 16, 2 * ks + lane / 16));
 }
 
-// The max a tile's probabilities are taken against: this warp's own tile
-// max. (The decode kernel passes an exchange that makes it the max of the
-// whole chunk across its warps; see there.)
-struct OwnTileMax {
-  __device__ __forceinline__ void operator()(float (&)[2]) const {}
-};
-
-// Attends the warp's 16 query rows to kKeys keys: rows [0, kKeys) of the
-// swizzled key and value tiles. masked(row, key) says whether row (0..15)
-// must not see key (0..kKeys-1); pass a lambda returning false for none.
-// share_max(tile_max) may replace the tile max of rows g and g + 8 (the same
-// in every lane of a quad) before it updates the running max.
-//
-// Rounding follows FlashAttention-2 (and cuDNN's fused attention, which torch
-// SDPA picks on Hopper): scores in float32, probabilities exp2(s - m) against
-// the running max m over the tiles seen so far, rounded to T for P V, the row
-// sum from the unrounded ones. With the same tile boundaries the output is
-// bit-identical to it (bench/sdpa_numerics.py).
-template <typename T, int kHeadDim, int kKeys, typename Masked, typename ShareMax = OwnTileMax>
-__device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
-                                            const uint32_t (&q)[kHeadDim / 16][4], const T* keys, const T* values,
-                                            float scale_log2, int lane, Masked masked, ShareMax share_max = {}) {
+// Scores of the warp's 16 query rows against kKeys keys (rows [0, kKeys) of
+// the swizzled key tile), in the log2 domain: s[n] is the C fragment of keys
+// [8n, 8n + 8). masked(row, key) says whether row (0..15) must not see key
+// (0..kKeys-1), which then scores -inf; pass a lambda returning false for none.
+template <typename T, int kHeadDim, int kKeys, typename Masked>
+__device__ __forceinline__ void warp_scores(float (&s)[kKeys / 8][4], const uint32_t (&q)[kHeadDim / 16][4],
+                                            const T* keys, float scale_log2, int lane, Masked masked) {
   using Tile = SwizzledTile<kHeadDim>;
   static_assert(kKeys % 16 == 0, "keys come in k-steps of 16");
-  constexpr int kKeyTiles = kKeys / 8;  // C fragments of scores, 8 keys each
-
-  // S = Q K^T. An x4 ldmatrix yields b0/b1 for keys [0, 8) and [8, 16) of a 16-key slice.
+  // An x4 ldmatrix yields b0/b1 for keys [0, 8) and [8, 16) of a 16-key slice.
   // Either loop order sums each score over k in the same order; key slices
   // outermost keeps fewer fragments live (128-key tiles need that), head-dim
   // steps outermost schedules better where registers allow.
-  float s[kKeyTiles][4] = {};
+#pragma unroll
+  for (int n = 0; n < kKeys / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
   auto score_slice = [&](int slice, int ks) {
     uint32_t b[4];
     ldmatrix_x4(b, keys + Tile::offset(slice * 16 + (lane / 16) * 8 + lane % 8, 2 * ks + (lane / 8) % 2));
@@ -88,31 +73,43 @@ __device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
       for (int slice = 0; slice < kKeys / 16; ++slice) score_slice(slice, ks);
     }
   }
-
   const int g = lane / 4;
   const int key_in_tile = 2 * (lane % 4);
 #pragma unroll
-  for (int n = 0; n < kKeyTiles; ++n) {
+  for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const bool hidden = masked(g + (e / 2) * 8, n * 8 + key_in_tile + e % 2);
       s[n][e] = hidden ? -INFINITY : s[n][e] * scale_log2;
     }
   }
+}
+
+// Attends the warp's 16 query rows to kKeys keys: rows [0, kKeys) of the
+// swizzled key and value tiles, masked as in warp_scores.
+//
+// Rounding follows cuDNN's fused attention (which torch SDPA picks on Hopper;
+// bench/softmax_numerics.py measured it): scores in float32, scaled into the
+// log2 domain, probabilities exp2(s - m) against the running max m over the
+// tiles seen so far, rounded to T for P V; each lane sums its unrounded
+// probabilities of the tile one at a time in fragment order and adds that to
+// the rescaled running sum.
+template <typename T, int kHeadDim, int kKeys, typename Masked>
+__device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
+                                            const uint32_t (&q)[kHeadDim / 16][4], const T* keys, const T* values,
+                                            float scale_log2, int lane, Masked masked) {
+  using Tile = SwizzledTile<kHeadDim>;
+  constexpr int kKeyTiles = kKeys / 8;  // C fragments of scores, 8 keys each
+  float s[kKeyTiles][4];
+  warp_scores<T, kHeadDim, kKeys>(s, q, keys, scale_log2, lane, masked);
 
   // Online softmax: rescale what was accumulated under the old max.
-  float tile_max[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float m = -INFINITY;
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n) m = fmaxf(m, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
-    tile_max[half] = quad_max(m);
-  }
-  share_max(tile_max);
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float new_max = fmaxf(state.max[half], tile_max[half]);
+    const float new_max = fmaxf(state.max[half], quad_max(m));
     const float rescale = exp2_shifted(state.max[half], new_max);
     state.max[half] = new_max;
     float tile_sum = 0.f;
@@ -120,7 +117,7 @@ __device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
     for (int n = 0; n < kKeyTiles; ++n) {
       s[n][2 * half] = exp2_shifted(s[n][2 * half], new_max);
       s[n][2 * half + 1] = exp2_shifted(s[n][2 * half + 1], new_max);
-      tile_sum += s[n][2 * half] + s[n][2 * half + 1];
+      tile_sum = (tile_sum + s[n][2 * half]) + s[n][2 * half + 1];
     }
     state.sum[half] = state.sum[half] * rescale + tile_sum;
 #pragma unroll

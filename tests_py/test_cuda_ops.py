@@ -476,7 +476,7 @@ def test_paged_attention_long_decode_split_k(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_paged_attention_small_partitions_with_large_workspace(dtype):
-    """A workspace sized for many rows lets a small batch split into 64..256-token partitions."""
+    """A workspace sized for many rows lets a small batch split its long context into 256-token partitions."""
     seed = fresh_seed()
     seeded(seed)
     batch = Batch([(1, 1000), (1, 77)], 8, 1, 128, 16, dtype)
@@ -501,6 +501,52 @@ def test_paged_attention_large_group_and_long_prefill(dtype):
     seeded(seed)
     batch = Batch([(1, 900), (1, 5), (300, 700), (65, 65), (64, 64)], 32, 1, 128, 32, dtype)
     batch.check(batch.run_cuda(), seed, "group 32")
+
+
+def sdpa_rows(batch: Batch) -> torch.Tensor:
+    """torch's scaled_dot_product_attention on cuDNN's fused attention, one row per call as
+    transformers calls it; rows are whole prompts (q_len == seq_len) or decodes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = torch.empty_like(batch.query)
+    starts = batch.query_start_loc.tolist()
+    for s, (q_len, seq_len) in enumerate(batch.rows):
+        assert q_len in (1, seq_len)
+        positions = torch.arange(seq_len, device="cuda")
+        blocks = batch.block_tables[s].long()[positions // batch.block_size]
+        offsets = positions % batch.block_size
+        k = batch.key_cache[blocks, :, offsets].transpose(0, 1)[None]  # [1, Hkv, L, D]
+        v = batch.value_cache[blocks, :, offsets].transpose(0, 1)[None]
+        q = batch.query[starts[s]:starts[s + 1]].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, enable_gqa=True)
+        out[starts[s]:starts[s + 1]] = o[0].transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (8, 1), (4, 4)])
+def test_paged_attention_is_bit_identical_to_cudnn_sdpa(hq, hkv):
+    """bf16, head dim 64 (SmolLM2's 9 / 3 heads among others): prompts up to 256 tokens and decodes over
+    up to 256 tokens come out exactly as torch's SDPA computes them on cuDNN's fused attention (what it
+    picks on Hopper): the same key tiles (128 tokens for prompts, 64 for decodes), exponent, summation
+    order and final reciprocal (bench/softmax_numerics.py). The workspace is the engine's size, so a
+    small batch could split its decodes, and must not below 256 tokens."""
+    seed = fresh_seed()
+    seeded(seed)
+    decodes = [(1, n) for n in (1, 20, 64, 65, 100, 130, 200, 256)]
+    prompts = [(n, n) for n in (9, 14, 33, 64, 100, 128, 129, 200, 256)]
+    batch = Batch(decodes + prompts, hq, hkv, 64, 16, torch.bfloat16)
+    batch.query *= 2  # peakier softmax rows, like a trained model's (exact in bf16)
+    batch.key_cache *= 2
+    try:
+        expected = sdpa_rows(batch)
+    except RuntimeError as e:  # no cuDNN fused attention for this GPU / build
+        pytest.skip(f"torch SDPA has no cuDNN backend here: {e}")
+    out = batch.run_cuda(workspace=batch.workspace(max_seq_len=8192, num_seqs=256))
+    starts = batch.query_start_loc.tolist()
+    differing = {f"{q_len}/{seq_len}": int((out[starts[s]:starts[s + 1]] != expected[starts[s]:starts[s + 1]]).sum())
+                 for s, (q_len, seq_len) in enumerate(batch.rows)}
+    assert not any(differing.values()), f"elements differing from cuDNN per row q_len/seq_len: {differing} (seed {seed})"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -108,13 +108,14 @@ def _compare_with_transformers(llm, hf, hf32, smollm2_prompts):
           f"for {identical}/32 prompts, max relative error vs transformers bf16 {max(errs):.2e}, ours vs float32 "
           f"{ours_vs_fp32:.2e}, transformers bf16 vs float32 {max(hf_errs):.2e}")
     assert ours_vs_fp32 < 1.5 * max(hf_errs) + 1e-3, "further from float32 than bf16 rounding explains"
-    # Our norms and attention reproduce transformers' bit for bit (test_cuda_ops.py); what still differs
-    # is rarer (measured on an H200: 17/32 prompts' first-step logits identical, 28/32 texts agree; the
-    # issue's target is 29). Guard what was reached: a regression in the numerics shows here first.
-    assert identical >= 16, f"first-step logits bit-identical for only {identical}/32 prompts"
-    assert agree >= min(28, hf_self - 1), f"only {agree}/32 prompts agree on the first 16 tokens"
-    # Batched, the matrix shapes differ from transformers' and bf16 near-ties may flip: allow what
-    # transformers' own float32 run shows, plus a little.
+    # Our norms and attention reproduce transformers' bit for bit (test_cuda_ops.py), and one prompt at a
+    # time the GEMMs have transformers' shapes: measured on an H200, all 32 prompts' first-step logits
+    # are identical and all 32 texts agree. The issue's target is 29 (90 %); allow two prompts whose
+    # logits differ (another Hopper's cuBLAS may pick other kernels for a shape).
+    assert identical >= 30, f"first-step logits bit-identical for only {identical}/32 prompts"
+    assert agree >= 29, f"only {agree}/32 prompts agree on the first 16 tokens"
+    # Batched, the matrix shapes differ from transformers' and bf16 near-ties may flip (32/32 measured):
+    # allow what transformers' own float32 run shows, plus a little.
     assert agree_batched >= min(29, hf_self) - 3, f"batched: only {agree_batched}/32 prompts agree"
 
 

@@ -303,7 +303,7 @@ void attention_cases() {
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     // Split-K decode (2 partitions), single-partition decode rows, prefill after a cached prefix.
     attention_case({dt, 128, 16, 2, 4, {{1, 700}, {1, 1}, {1, 70}, {5, 40}, {70, 100}}});
-    // A workspace sized for 64 rows lets 2 rows split into 64-token partitions.
+    // A workspace sized for 64 rows lets 2 rows split into 256-token partitions.
     attention_case({dt, 64, 32, 1, 8, {{1, 300}, {1, 17}}, 0, 64});
     // The decode grid sized for max_seq_len 1500 (CUDA graphs): extra partitions exit.
     attention_case({dt, 64, 16, 2, 1, {{1, 33}, {66, 66}, {3, 200}}, 1500});
