@@ -153,9 +153,10 @@ def sdpa_choices(cfg, prompt_len):
              and isinstance(v, torch.nn.attention.SDPBackend)} if hasattr(torch.nn.attention, "SDPBackend") else {}
     out = {}
     for label, q_len, causal in (("prefill", prompt_len, True), ("decode", 1, False)):
+        # As transformers calls it without a mask: kv heads as they are, enable_gqa.
         q = torch.randn(1, cfg.num_heads, q_len, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(1, cfg.num_heads, prompt_len, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
-        choice = torch._fused_sdp_choice(q, k, k, None, 0.0, causal)
+        k = torch.randn(1, cfg.num_kv_heads, prompt_len, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
+        choice = torch._fused_sdp_choice(q, k, k, None, 0.0, causal, enable_gqa=True)
         out[label] = names.get(int(choice), str(choice))
     return out
 

@@ -115,8 +115,10 @@ def main() -> None:
     backend = {}
     for kind, lq in (("prefill", 100), ("decode", 1)):
         q = torch.randn(1, HEADS, lq, DIM, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(1, HEADS, 100, DIM, device="cuda", dtype=torch.bfloat16)
-        backend[kind] = str(torch._fused_sdp_choice(q, k, k, None, 0.0, kind == "prefill"))
+        k = torch.randn(1, KV_HEADS, 100, DIM, device="cuda", dtype=torch.bfloat16)
+        choice = torch._fused_sdp_choice(q, k, k, None, 0.0, kind == "prefill", enable_gqa=True)
+        names = {int(v): k for k, v in torch.nn.attention.SDPBackend.__members__.items()}
+        backend[kind] = names.get(int(choice), str(choice))
     columns = ["kind", "length", "ours"] + [c for c in rows[0] if c not in ("kind", "length", "ours")]
     best = {kind: max(columns[3:], key=lambda c: sum(r[c] for r in rows if r["kind"] == kind))
             for kind in ("prefill", "decode")}

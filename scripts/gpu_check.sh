@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, in one command: build the CUDA extension, run the GPU tests
-# (and a compute-sanitizer subset), run the kernel and end-to-end benchmarks.
+# (and compute-sanitizer), run the kernel and end-to-end benchmarks.
 # Logs, JSON, markdown and plots land in $OUT/run (default ./gpu_out/run), packed
 # into $OUT/results.tgz at the end; a summary prints last (and $OUT/summary.txt).
 #
@@ -51,9 +51,13 @@ for stage in "${STAGES[@]}"; do
         -C cmake.define.USE_CUDA=ON -C build-dir=build/gpu . ;;
     optests)
       run_stage optests python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py -q -p no:cacheprovider ;;
-    sanitizer)
+    sanitizer)  # memcheck over every GPU op test (~25 s); racecheck and synccheck on the attention subset
       run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 -m pytest tests_py/test_cuda_ops.py -q -p no:cacheprovider -k sanitizer_subset ;;
+        python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py -q -p no:cacheprovider
+      for tool in racecheck synccheck; do
+        run_stage "sanitizer_$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+          python3 -m pytest tests_py/test_cuda_ops.py -q -p no:cacheprovider -k sanitizer_subset_attention
+      done ;;
     kernels)
       run_stage kernels python3 bench/kernel_bench.py --out "$RUN" ;;
     engine)
