@@ -161,7 +161,7 @@ void bind_ops(py::module_& m) {
         ops::pack_linear_weight(pk, w);
       },
       py::arg("packed"), py::arg("weight"),
-      "Packs weight [N, K] into bf16 [ceil(N / 32), K, 32] tiles (cpp/ops/packed_weight_layout.h).");
+      "Packs weight [N, K] into bf16 [ceil(N / 16), ceil(K / 32) * 16, 32] tiles (cpp/ops/packed_weight_layout.h).");
 
   m.def(
       "packed_linear",
