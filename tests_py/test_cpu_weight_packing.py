@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 
 from hf_helpers import TINY_LLAMA, make_hf_model, save_hf_checkpoint
 from pagedserve import LLM, SamplingParams, _core, ops
-from pagedserve.config import ModelConfig
+from pagedserve.models.model_config import ModelConfig
 from pagedserve.models import build_model
 from pagedserve.models.cpu_weight_packing import is_bf16_exact, pack_cpu_weights
 from pagedserve.models.layers import Linear

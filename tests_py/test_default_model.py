@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from paged_helpers import PagedBatchRunner, relative_error
-from pagedserve import default_model
-from pagedserve.config import ModelConfig
+from pagedserve.models import default_model
+from pagedserve.models.model_config import ModelConfig
 from pagedserve.models import build_model
 
 PROMPT = "The capital of France is"

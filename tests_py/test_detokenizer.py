@@ -14,9 +14,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pagedserve.detokenizer import IncrementalDetokenizer
-from pagedserve.stop_strings import StopStringStream, check_stop, held_back_length
-from pagedserve.tokenizer import apply_chat_template, encode_prompt, eos_token_ids, load_tokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.stop_strings import StopStringStream, check_stop, held_back_length
+from pagedserve.engine.tokenizer import apply_chat_template, encode_prompt, eos_token_ids, load_tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, hello there!",
@@ -81,14 +81,14 @@ def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="module")
 def default_model_tokenizer():
     try:
-        from pagedserve.default_model import default_model_dir
+        from pagedserve.models.default_model import default_model_dir
     except ImportError as err:
-        pytest.skip(f"pagedserve.default_model is not available yet ({err})")
+        pytest.skip(f"pagedserve.models.default_model is not available yet ({err})")
     try:
         model_dir = default_model_dir()
     except Exception as err:  # no network, no pip, a failed conversion: say which
         pytest.skip(f"the default model directory could not be built: {err!r}")
-    from pagedserve.tokenizer import load_tokenizer
+    from pagedserve.engine.tokenizer import load_tokenizer
     return load_tokenizer(model_dir)
 
 

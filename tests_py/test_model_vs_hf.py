@@ -17,7 +17,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from hf_helpers import make_hf_model, save_hf_checkpoint
 from paged_helpers import PagedBatchRunner, relative_error
-from pagedserve.config import ModelConfig
+from pagedserve.models.model_config import ModelConfig
 from pagedserve.models import build_model
 from pagedserve.models.cpu_weight_packing import pack_cpu_weights
 from pagedserve.models.layers import Linear

@@ -294,3 +294,33 @@ def test_wrong_device_and_bad_capsules(gen):
     _core.ops.rms_norm(to_dlpack(out), to_dlpack(x), compact, 1e-5)
     torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w)
     del keep, keep2, keep3, keep4
+
+
+# ---------------------------------------------------------------------------
+# One call shape for the CPU and the CUDA module (cpp/bindings/op_binding.h)
+
+_SHARED_OPS = ["rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "reshape_and_cache",
+               "copy_blocks", "paged_attention", "sample_tokens"]
+
+
+def _parameter_names(fn) -> list[str]:
+    signature = fn.__doc__.splitlines()[0]
+    return [p.split(":")[0].strip() for p in signature[signature.index("(") + 1:signature.rindex(")")].split(", ")]
+
+
+def test_cpu_ops_take_the_trailing_stream_of_the_cuda_ops(gen):
+    x = randn(3, 16, gen=gen)
+    w = randn(16, gen=gen)
+    out = torch.empty_like(x)
+    _core.ops.rms_norm(to_dlpack(out), to_dlpack(x), to_dlpack(w), 1e-5, 0)
+    torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w)
+    with pytest.raises(ValueError, match=r"rms_norm: stream must be 0 for the cpu ops"):
+        _core.ops.rms_norm(to_dlpack(out), to_dlpack(x), to_dlpack(w), 1e-5, 1234)
+    for name in _SHARED_OPS:
+        assert _parameter_names(getattr(_core.ops, name))[-1] == "stream", name
+
+
+@pytest.mark.skipif(not _core.has_cuda, reason="needs pagedserve._core built with USE_CUDA=ON (no GPU needed)")
+def test_cpu_and_cuda_ops_have_one_call_shape():
+    for name in _SHARED_OPS:
+        assert _parameter_names(getattr(_core.ops, name)) == _parameter_names(getattr(_core.cuda_ops, name)), name

@@ -8,11 +8,11 @@ from collections import Counter
 import pytest
 import torch
 
-from pagedserve import sampling_ops
-from pagedserve.sampler import Sampler, SampleLogprobs, SamplingRow
-from pagedserve.sampling_ops import apply_min_p_, apply_penalties, apply_top_k_top_p_
+from pagedserve.sample import sampling_ops
+from pagedserve.sample.sampler import Sampler, SampleLogprobs, SamplingRow
+from pagedserve.sample.sampling_ops import apply_min_p_, apply_penalties, apply_top_k_top_p_
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.sampling_tensors import build_sampling_batch
+from pagedserve.sample.sampling_tensors import build_sampling_batch
 
 EOS = 3
 NEG_INF = float("-inf")

@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from pagedserve import _core
-from pagedserve.step_inputs import PAD_SLOT, StepInputs
+from pagedserve.worker.step_inputs import PAD_SLOT, StepInputs
 
 
 def decode_step(num_seqs: int):

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from paged_helpers import PagedBatchRunner
-from pagedserve.config import ModelConfig
+from pagedserve.models.model_config import ModelConfig
 from pagedserve.models import build_model
-from pagedserve.weights import MissingTensorError, checkpoint_files, init_dummy_weights
+from pagedserve.models.weights import MissingTensorError, checkpoint_files, init_dummy_weights
 
 
 def load(path, dtype="float32", load_format="auto"):

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from pagedserve.errors import RequestError
+
 # Temperatures below this are treated as greedy: dividing logits by a value this
 # small overflows float32 for ordinary logit magnitudes, and the result would be
 # argmax anyway.
@@ -18,6 +20,11 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 
 # OpenAI's documented range for the additive penalties.
 ADDITIVE_PENALTY_RANGE = (-2.0, 2.0)
+
+# The sampling defaults of every front end (CLI, chat, page, API, LLM.generate without params) where the
+# model's generation_config.json sets none: mild randomness, and a repetition penalty that keeps small models
+# (the default SmolLM2-135M) from looping. The SamplingParams class keeps vLLM's own defaults.
+DEFAULT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
 
 # top_k values that mean "consider the whole vocabulary" (vLLM accepts both).
 TOP_K_DISABLED = 0
@@ -83,37 +90,37 @@ class SamplingParams:
     def _check_counts(self) -> None:
         _require_int("n", self.n)
         if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
+            raise RequestError(f"n must be at least 1, got {self.n}", "n")
         if self.max_tokens is not None:
             _require_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+                raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         _require_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be at least 0, got {self.min_tokens}")
+            raise RequestError(f"min_tokens must be at least 0, got {self.min_tokens}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens must be at most max_tokens={self.max_tokens}, "
-                             f"got {self.min_tokens}")
+            raise RequestError(f"min_tokens must be at most max_tokens={self.max_tokens}, "
+                             f"got {self.min_tokens}", "min_tokens")
         if self.logprobs is not None:
             _require_int("logprobs", self.logprobs)
             if self.logprobs < 0:
-                raise ValueError(f"logprobs must be at least 0 (or None), got {self.logprobs}")
+                raise RequestError(f"logprobs must be at least 0 (or None), got {self.logprobs}", "logprobs")
         if self.seed is not None:
             _require_int("seed", self.seed)
 
     def _check_distribution_shaping(self) -> None:
         _require_finite("temperature", self.temperature)
         if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+            raise RequestError(f"temperature must be non-negative, got {self.temperature}", "temperature")
         _require_finite("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         _require_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}")
+            raise RequestError(f"top_k must be -1 or 0 (disabled) or at least 1, got {self.top_k}", "top_k")
         _require_finite("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
 
     def _check_penalties(self) -> None:
         low, high = ADDITIVE_PENALTY_RANGE
@@ -121,22 +128,22 @@ class SamplingParams:
             value = getattr(self, name)
             _require_finite(name, value)
             if not low <= value <= high:
-                raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value}")
+                raise RequestError(f"{name} must be in [{low:g}, {high:g}], got {value}", name)
         _require_finite("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0.0:
-            raise ValueError(
-                f"repetition_penalty must be greater than 0, got {self.repetition_penalty}")
+            raise RequestError(f"repetition_penalty must be greater than 0, got {self.repetition_penalty}",
+                               "repetition_penalty")
 
     def _check_stops(self) -> None:
         for s in self.stop:
             if not isinstance(s, str):
-                raise ValueError(f"stop must hold strings, got {s!r}")
+                raise RequestError(f"stop must hold strings, got {s!r}", "stop")
             if not s:
-                raise ValueError("stop must not contain an empty string")
+                raise RequestError("stop must not contain an empty string", "stop")
         for t in self.stop_token_ids:
             _require_int("stop_token_ids", t)
             if t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative, got {t}")
+                raise RequestError(f"stop_token_ids must be non-negative, got {t}", "stop_token_ids")
 
     def _disable_truncation_for_greedy(self) -> None:
         # Truncation cannot change an argmax; resetting keeps the sampler's fast path.
@@ -147,9 +154,9 @@ class SamplingParams:
 
 def _require_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise RequestError(f"{name} must be an int, got {value!r}", name)
 
 
 def _require_finite(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+        raise RequestError(f"{name} must be a finite number, got {value!r}", name)

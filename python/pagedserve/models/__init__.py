@@ -7,9 +7,9 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from pagedserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagedserve.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedserve.models.llama import LlamaForCausalLM
-from pagedserve.weights import load_weights
+from pagedserve.models.weights import load_weights
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

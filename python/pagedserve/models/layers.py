@@ -3,7 +3,7 @@
 Dense math is torch (``F.linear``); everything with a custom memory layout or
 a fusion opportunity goes through ``pagedserve.ops`` (CPU reference ops, or the
 CUDA kernels for CUDA tensors). Parameters are allocated uninitialised on the
-target device in the target dtype; ``pagedserve.weights`` fills them. Nothing
+target device in the target dtype; ``pagedserve.models.weights`` fills them. Nothing
 here branches on tensor values, so a forward can be captured in a CUDA graph.
 """
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import ops
-from pagedserve.attention_metadata import AttentionMetadata
+from pagedserve.models.attention_metadata import AttentionMetadata
 
 
 def _empty_parameter(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import ops
-from pagedserve.attention_metadata import AttentionMetadata
-from pagedserve.config import ModelConfig
+from pagedserve.models.attention_metadata import AttentionMetadata
+from pagedserve.models.model_config import ModelConfig
 from pagedserve.models.layers import (Embedding, Linear, PagedAttention, RMSNorm, RotaryEmbedding,
                                       SiluAndMul)
 
@@ -120,7 +120,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The runner's entry point: forward -> final hidden states, compute_logits -> logits."""
 
-    # Checkpoint tensors merged into one parameter at load time (see pagedserve.weights).
+    # Checkpoint tensors merged into one parameter at load time (see pagedserve.models.weights).
     packed_modules = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),

@@ -9,12 +9,15 @@ transformers 5 one (``rope_parameters``, which 5.23 writes) are understood.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import torch
+
+from pagedserve.models.rope_config import parse_rope
 
 DTypeLike = Union[str, torch.dtype]
 DeviceLike = Union[str, torch.device, None]
@@ -83,6 +86,8 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     dtype: torch.dtype  # the dtype the engine computes in
     device: torch.device
+    # Sampling settings generation_config.json sets (a subset of GENERATION_SAMPLING_KEYS), as vLLM reads them.
+    generation_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def q_size(self) -> int:
@@ -151,13 +156,31 @@ class ModelConfig:
             checkpoint_dtype=checkpoint_dtype,
             dtype=resolve_dtype(dtype, checkpoint_dtype, resolved_device),
             device=resolved_device,
+            generation_defaults=_generation_defaults(generation_config),
         )
 
 
 def resolve_device(device: DeviceLike) -> torch.device:
+    """None: the GPU when torch sees one and the extension has CUDA kernels, else the CPU.
+    An explicit device is taken as named (parsing a config needs no GPU); check_device_usable checks it."""
+    from pagedserve import _core
+
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if torch.cuda.is_available() and _core.has_cuda else "cpu")
     return torch.device(device)
+
+
+def check_device_usable(device: torch.device) -> torch.device:
+    """The device, if this process can run the engine on it."""
+    from pagedserve import _core
+
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU")
+        if not _core.has_cuda:
+            raise ValueError("device='cuda' needs the extension built with CUDA: "
+                             "pip install -C cmake.define.USE_CUDA=ON .")
+    return device
 
 
 def resolve_dtype(dtype: DTypeLike, checkpoint_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -174,31 +197,6 @@ def resolve_dtype(dtype: DTypeLike, checkpoint_dtype: torch.dtype, device: torch
         raise ValueError(f"dtype {resolved} is not supported; use float32, bfloat16 or float16")
     return resolved
 
-
-def parse_rope(hf_config: Mapping[str, Any], max_positions: int) -> tuple[float, Optional[dict[str, Any]]]:
-    """Returns (theta, llama3 scaling or None) from either rope spelling."""
-    params = dict(hf_config.get("rope_parameters") or {})
-    legacy_scaling = hf_config.get("rope_scaling") or {}
-    if not params:
-        params = dict(legacy_scaling)
-    theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    partial = float(params.get("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0)))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial} is not supported (only full rotary)")
-    if rope_type == "default":
-        return theta, None
-    if rope_type == "llama3":
-        if "factor" not in params:
-            raise ValueError("llama3 rope scaling needs a 'factor'")
-        return theta, {
-            "rope_type": "llama3",
-            "factor": float(params["factor"]),
-            "low_freq_factor": float(params.get("low_freq_factor", 1.0)),
-            "high_freq_factor": float(params.get("high_freq_factor", 4.0)),
-            "original_max_position_embeddings": int(params.get("original_max_position_embeddings", max_positions)),
-        }
-    raise ValueError(f"rope type {rope_type!r} is not supported; supported: 'default', 'llama3'")
 
 
 def _architecture(hf_config: Mapping[str, Any]) -> str:
@@ -258,12 +256,23 @@ def _tie_word_embeddings(hf_config: Mapping[str, Any], model_dir: Optional[Path]
         return bool(hf_config["tie_word_embeddings"])
     if model_dir is None:
         return False
-    from pagedserve.weights import checkpoint_tensor_names  # local: weights imports this module
+    from pagedserve.models.weights import checkpoint_tensor_names  # local: weights imports this module
 
     try:
         return "lm_head.weight" not in checkpoint_tensor_names(model_dir)
     except FileNotFoundError:
         return False
+
+
+# generation_config.json keys that set a sampling default; greedy files (do_sample false) set temperature 0.
+GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _generation_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
+    defaults = {k: generation_config[k] for k in GENERATION_SAMPLING_KEYS if generation_config.get(k) is not None}
+    if generation_config.get("do_sample") is False:
+        defaults = {"temperature": 0.0}
+    return defaults
 
 
 def _eos_token_ids(hf_config: Mapping[str, Any], generation_config: Mapping[str, Any]) -> tuple[int, ...]:

@@ -1,15 +1,19 @@
 """LLMEngine: requests in, outputs out, one step at a time.
 
+The engine owns the host side: the tokenizer, the EOS ids, the request
+records and the C++ scheduler, sized from the KV plan its Worker returns.
+The Worker owns the device side (model, KV cache, model runner).
+
 One step:
     schedule (C++)
-    -> launch block copies + forward + sampling on the device (ModelRunner)
+    -> launch block copies + forward + sampling on the device (Worker)
     -> while the device works: detokenize the PREVIOUS step's tokens, find stop
        strings, build its outputs (host work that would otherwise sit between
        two forwards)
     -> wait for this step's sampled ids -> update (C++): append, EOS,
        max_tokens, forks -> record the tokens on their requests.
-So text and outputs trail the tokens by one step; a stop string found then
-finishes its sequence, and the token it sampled meanwhile is dropped.
+So text and outputs trail the tokens by one step; engine/sequences.py says
+how and why every sequence finishes.
 """
 
 from __future__ import annotations
@@ -21,92 +25,109 @@ from typing import Iterable, Optional, Union
 import numpy as np
 
 from pagedserve import _core
-from pagedserve.engine_config import EngineConfig
+from pagedserve.engine.info import EngineInfo
+from pagedserve.engine.request import Request
+from pagedserve.engine.sequences import REJECTED_ERROR, Sequences
+from pagedserve.engine.snapshot import engine_snapshot
+from pagedserve.engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+from pagedserve.engine.validation import EngineLimits, check_text, validate_request
+from pagedserve.engine_config import EngineConfig, resolve_defaults
+from pagedserve.errors import RequestError
+from pagedserve.models.default_model import model_path
+from pagedserve.models.model_config import ModelConfig, check_device_usable, resolve_device
 from pagedserve.outputs import Logprob, RequestOutput
-from pagedserve.request import Request
-from pagedserve.sampler import SamplerOutput
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.worker import Worker
+from pagedserve.sample.sampler import SamplerOutput
+from pagedserve.sampling_params import DEFAULT_SAMPLING, SamplingParams
+from pagedserve.worker.worker import Worker
 
 logger = logging.getLogger("pagedserve")
 
 PromptType = Union[str, list[int], dict]
-
-_FINISH_REASONS = {
-    _core.FinishReason.STOP: "stop",
-    _core.FinishReason.LENGTH: "length",
-    _core.FinishReason.ABORT: "abort",
-    _core.FinishReason.REJECTED: "length",
-}
 _NO_SAMPLES = SamplerOutput(token_ids=[], logprobs=None)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 class LLMEngine:
     def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
-        self.config = (config or EngineConfig()).with_updates(**kwargs)
-        self.worker = Worker(self.config)
-        self.tokenizer = self.worker.tokenizer
-        self.model_config = self.worker.model_config
-        self.max_model_len = self.worker.max_model_len
-        self.scheduler = self.worker.scheduler
+        config = (config or EngineConfig()).with_updates(**kwargs)
+        device = check_device_usable(resolve_device(config.device))
+        model_dir = model_path(config.model)
+        self.model_config = ModelConfig.from_model_dir(model_dir, dtype=config.dtype, device=device)
+        self.config = resolve_defaults(config, device.type, self.model_config.max_position_embeddings)
+        has_tokenizer = any((model_dir / f).exists() for f in _TOKENIZER_FILES)
+        self.tokenizer = load_tokenizer(model_dir) if has_tokenizer else None
+        configured_eos = self.model_config.eos_token_ids
+        self.eos_token_ids = eos_token_ids(self.tokenizer, configured_eos) if self.tokenizer else list(configured_eos)
+        self.worker = Worker(self.config, self.model_config, self.eos_token_ids)
+        plan = self.worker.kv_plan
+        self.max_model_len = plan.max_model_len
+        self.scheduler = _core.Scheduler(_core.SchedulerConfig(
+            num_blocks=plan.num_blocks, block_size=plan.block_size, max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=plan.max_model_len,
+            enable_prefix_caching=self.config.enable_prefix_caching, eos_token_ids=self.eos_token_ids))
+        self.limits = EngineLimits(max_model_len=plan.max_model_len, max_num_seqs=self.config.max_num_seqs,
+                                   max_logprobs=self.config.max_logprobs, vocab_size=self.model_config.vocab_size)
+        self._model_dir = model_dir
         self.requests: dict[str, Request] = {}
-        self._seq_owner: dict[int, tuple[Request, int]] = {}  # live seq id -> (request, sample index)
+        self._sequences = Sequences(self.scheduler)
         self._untexted: dict[str, Request] = {}  # requests with tokens or finishes not yet turned into outputs
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+
+    def info(self) -> EngineInfo:
+        return EngineInfo(model_name=self._model_dir.name, model_path=self._model_dir, device=str(self.worker.device),
+                          dtype=str(self.model_config.dtype).removeprefix("torch."), tokenizer=self.tokenizer,
+                          limits=self.limits,
+                          default_sampling={**DEFAULT_SAMPLING, **self.model_config.generation_defaults})
+
+    def default_sampling_params(self, **overrides) -> SamplingParams:
+        """SamplingParams with the model's defaults (info().default_sampling) under `overrides`."""
+        return SamplingParams(**{**self.info().default_sampling, **overrides})
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, stream: bool = True) -> None:
         """Queues a request. With stream=True each step() hands back what changed
-        (a delta); with stream=False one cumulative RequestOutput when it finishes."""
+        (a delta); with stream=False one cumulative RequestOutput when it finishes.
+        Raises RequestError (a ValueError) for a request the engine refuses."""
         params = params or SamplingParams()
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id", "duplicate_id")
         text, token_ids = self._tokenize(prompt)
-        self._validate(token_ids, params)
+        token_ids = validate_request(token_ids, params, self.limits)
         request = Request(request_id, text, token_ids, params, self.tokenizer, arrival_time, stream)
         request.samples[0].generator = self.worker.sampler.generator_for(params, 0)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         seq_id = self.scheduler.add_sequence(
-            np.asarray(token_ids, dtype=np.int32), max_tokens=self._max_tokens(token_ids, params),
-            min_tokens=params.min_tokens, ignore_eos=params.ignore_eos,
-            stop_token_ids=list(params.stop_token_ids or []), n=params.n)
+            np.asarray(token_ids, dtype=np.int32), max_tokens=max_tokens, min_tokens=params.min_tokens,
+            ignore_eos=params.ignore_eos, stop_token_ids=list(params.stop_token_ids or []), n=params.n)
         self.requests[request_id] = request
-        self._own(seq_id, request, 0)
+        self._sequences.own(seq_id, request, 0)
         self.num_prompt_tokens_total += len(token_ids)
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Drops requests; their KV blocks return to the pool at once. No output follows."""
+    def abort_request(self, request_id: Union[str, Iterable[str]]) -> list[RequestOutput]:
+        """Drops requests; their KV blocks return to the pool at once. Returns the outputs that end
+        the ones still unfinished (finish_reason "abort"); step() hands back nothing more for them."""
+        finals = []
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
             request = self.requests.pop(rid, None)
             self._untexted.pop(rid, None)
             if request is None:
                 continue
             for sample in request.samples:
-                self._release_seq(sample, _core.FinishReason.ABORT)
+                self._sequences.stop(sample, _core.FinishReason.ABORT)
                 sample.finish("abort")
             request.metrics.finished_time = time.monotonic()
-
-    def _own(self, seq_id: int, request: Request, index: int) -> None:
-        self._seq_owner[seq_id] = (request, index)
-        request.samples[index].seq_id = seq_id
-
-    def _release_seq(self, sample, reason) -> None:
-        """Finishes the sample's sequence in the scheduler now (its blocks return at once)."""
-        if sample.seq_id is not None and self._seq_owner.pop(sample.seq_id, None) is not None:
-            self.scheduler.finish(sample.seq_id, reason)
-        sample.seq_id = None
+            out = request.output()
+            if out is not None:
+                finals.append(out)
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
-
-    def request_id_of(self, seq_id: int) -> Optional[str]:
-        """The request a scheduler sequence belongs to; None once it finished or was aborted."""
-        owner = self._seq_owner.get(int(seq_id))
-        return owner[0].request_id if owner is not None else None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -125,20 +146,23 @@ class LLMEngine:
     def _note_schedule(self, out) -> None:
         now = time.monotonic()
         for rejected in out.rejected:
-            self._end_seq(rejected.seq_id, rejected.reason, None, error="the request does not fit in the KV cache")
+            self._untext(self._sequences.ended(rejected.seq_id, rejected.reason, error=REJECTED_ERROR))
         for seq_id in out.preempted:
-            if seq_id in self._seq_owner:
-                self._seq_owner[seq_id][0].metrics.num_preemptions += 1
-        for seq_id in out.seq_ids[out.num_decodes:].tolist():  # a first schedule is never a decode
-            owner = self._seq_owner.get(seq_id)
+            owner = self._sequences.get(seq_id)
+            if owner is not None:
+                owner[0].metrics.num_preemptions += 1
+        # A first schedule is a prefill row; its first position is how many prompt tokens the prefix cache held.
+        qsl, positions = out.query_start_loc, out.positions
+        for row in range(out.num_decodes, out.num_seqs):
+            owner = self._sequences.get(int(out.seq_ids[row]))
             if owner and owner[0].metrics.first_scheduled_time is None:
                 owner[0].metrics.first_scheduled_time = now
+                owner[0].num_cached_tokens = int(positions[qsl[row]])
 
     def _sampling_rows(self, out) -> list:
-        seq_ids = out.seq_ids
         rows = []
         for row, n in zip(out.sample_rows.tolist(), out.num_samples.tolist()):
-            request, index = self._seq_owner[int(seq_ids[row])]
+            request, index = self._sequences[out.seq_ids[row]]
             rows.append(request.sampling_row(index, n))
         return rows
 
@@ -146,8 +170,8 @@ class LLMEngine:
         """update()'s tokens onto their samples: cheap bookkeeping the next step's sampler needs."""
         children = {}
         for f in result.forks:
-            request, _ = self._seq_owner[f.parent]
-            self._own(f.child, request, f.sample_index)
+            request, _ = self._sequences[f.parent]
+            self._sequences.own(f.child, request, f.sample_index)
             request.samples[f.sample_index].generator = self.worker.sampler.generator_for(request.params,
                                                                                           f.sample_index)
             children[(f.parent, f.sample_index)] = f.child
@@ -156,14 +180,13 @@ class LLMEngine:
         for row, n in zip(out.sample_rows.tolist(), out.num_samples.tolist()):
             parent = int(seq_ids[row])
             for j in range(n):
-                seq_id = parent if j == 0 else children.get((parent, j))
-                owner = self._seq_owner.get(seq_id)
+                owner = self._sequences.get(parent if j == 0 else children.get((parent, j), -1))
                 if owner is not None:
                     self._add_token(owner, sampled.token_ids[k], logprobs[k] if logprobs else None, now)
                 k += 1
         self.num_generation_tokens_total += k
         for f in result.finished:
-            self._end_seq(f.seq_id, f.reason, f.stop_token)
+            self._untext(self._sequences.ended(f.seq_id, f.reason, f.stop_token))
 
     def _add_token(self, owner: tuple[Request, int], token: int, logprob, now: float) -> None:
         request, index = owner
@@ -176,22 +199,12 @@ class LLMEngine:
         metrics.last_token_time = now
         entry = self._logprob_entry(logprob) if logprob is not None and sample.logprobs is not None else None
         sample.add_token(token, entry, logprob.logprob if entry else 0.0)
-        if sample.incremental:  # others get their text once, when they end (see _end_seq)
-            self._untexted[request.request_id] = request
+        if sample.incremental:  # others get their text once, when they end
+            self._untext(request)
 
-    def _end_seq(self, seq_id: int, reason, stop_token: Optional[int], error: Optional[str] = None) -> None:
-        """The scheduler finished a sequence: its sample ends at the next _emit_outputs."""
-        owner = self._seq_owner.pop(seq_id, None)
-        if owner is None:
-            return
-        request, index = owner
-        request.samples[index].seq_id = None
-        stop_reason = stop_token if stop_token is not None and stop_token in (request.params.stop_token_ids or []) \
-            else None
-        request.samples[index].ending = (_FINISH_REASONS[reason], stop_reason)
-        if error:
-            request.error = error
-        self._untexted[request.request_id] = request
+    def _untext(self, request: Optional[Request]) -> None:
+        if request is not None:
+            self._untexted[request.request_id] = request
 
     def _emit_outputs(self) -> list[RequestOutput]:
         """Text, stop strings and finishes for the tokens recorded so far; the outputs they make."""
@@ -199,7 +212,7 @@ class LLMEngine:
         for rid, request in self._untexted.items():
             for sample in request.samples:
                 if sample.sync_text() is not None:  # a stop string: the sequence may still be running
-                    self._release_seq(sample, _core.FinishReason.STOP)
+                    self._sequences.stop(sample)
             out = request.output()
             if out is not None:
                 outputs.append(out)
@@ -213,37 +226,19 @@ class LLMEngine:
     def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+            prompt = prompt["prompt"]
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer: pass prompt token ids")
-            return prompt, self.worker.encode(prompt)
+                raise RequestError("this model directory has no tokenizer: pass prompt token ids", "prompt",
+                                   "no_tokenizer")
+            return prompt, encode_prompt(self.tokenizer, check_text(prompt))
         if isinstance(prompt, (list, tuple, np.ndarray)):
-            return None, [int(t) for t in prompt]
-        raise TypeError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
-
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        total = len(token_ids) + (params.max_tokens or 1)
-        if total > self.max_model_len:
-            raise ValueError(f"the prompt ({len(token_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
-                             f"{total} tokens, more than max_model_len ({self.max_model_len})")
-        if params.n > self.scheduler.config.max_num_seqs:
-            raise ValueError(f"n={params.n} is more than max_num_seqs ({self.scheduler.config.max_num_seqs})")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs={params.logprobs} is more than max_logprobs ({self.config.max_logprobs})")
-
-    def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
-        return params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
+            return None, [int(t) if isinstance(t, np.integer) else t for t in prompt]
+        raise RequestError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}",
+                           "prompt", "invalid_type")
 
     def _logprob_entry(self, lp) -> dict[int, Logprob]:
         decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
@@ -270,3 +265,12 @@ class LLMEngine:
         s["num_prompt_tokens_total"] = self.num_prompt_tokens_total
         s["num_generation_tokens_total"] = self.num_generation_tokens_total
         return s
+
+    def snapshot(self) -> dict:
+        """The engine page's view: stats, block map, running and waiting requests."""
+        return engine_snapshot(self.scheduler, self._sequences, self.requests, self.stats())
+
+    def request_id_of(self, seq_id: int) -> Optional[str]:
+        """The request a scheduler sequence belongs to; None once it finished or was aborted."""
+        owner = self._sequences.get(seq_id)
+        return owner[0].request_id if owner is not None else None

@@ -9,6 +9,8 @@ KV cache, allocated once: peak memory then does not grow with concurrency.
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -46,3 +48,46 @@ def kv_cache_budget_bytes(run_worst_case_step: Callable[[], None], gpu_memory_ut
         raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization={gpu_memory_utilization}: "
                          "raise it, or lower max_num_batched_tokens / max_num_seqs")
     return budget
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The KV cache the worker allocates, and the context limit it can hold; the engine sizes
+    its scheduler from it."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    bytes_per_block: int  # over all layers, keys and values
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def plan_kv_cache(config, max_position_embeddings: int, bytes_per_block: int,
+                  profile_budget: Callable[[], int]) -> KVPlan:
+    """How many blocks to allocate and the max_model_len they allow.
+
+    config: a resolved EngineConfig. profile_budget() is called only on a GPU without an explicit size:
+    it returns the bytes gpu_memory_utilization leaves for the cache (kv_cache_budget_bytes).
+    """
+    block_size, max_model_len = config.block_size, config.max_model_len
+    blocks_per_seq = math.ceil(max_model_len / block_size)
+    if config.num_kv_blocks:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_memory_gb is not None:
+        # No point holding more than every sequence at full length needs.
+        num_blocks = min(int(config.kv_cache_memory_gb * 2**30 // bytes_per_block), config.max_num_seqs * blocks_per_seq)
+    else:
+        num_blocks = int(profile_budget() // bytes_per_block)  # a GPU keeps every spare block for the prefix cache
+    num_blocks = max(1, num_blocks)
+    capacity = num_blocks * block_size
+    if max_model_len > capacity:
+        if max_model_len == max_position_embeddings:  # the model's own limit: serve what fits
+            logger.warning("lowering max_model_len from %d to %d to fit the KV cache", max_model_len, capacity)
+            max_model_len = capacity
+        else:  # a limit the user asked for
+            raise ValueError(f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks, the cache holds "
+                             f"{num_blocks}: raise the KV memory or lower max_model_len")
+    return KVPlan(num_blocks, block_size, max_model_len, bytes_per_block)

@@ -17,11 +17,11 @@ from typing import Optional
 
 import torch
 
-from pagedserve.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedserve.sampler import SamplingRow
+from pagedserve.sample.sampler import SamplingRow
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.stop_strings import StopMatch, StopStringStream
+from pagedserve.engine.stop_strings import StopMatch, StopStringStream
 
 
 @dataclass

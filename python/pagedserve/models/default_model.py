@@ -44,6 +44,18 @@ def cache_dir() -> Path:
     return Path(override).expanduser() if override else Path.home() / ".cache" / "pagedserve"
 
 
+def model_path(model: "str | None") -> Path:
+    """The directory to load: the default model (converted on first use) for None, else a local
+    HF-format directory, which must hold a config.json."""
+    if model is None:
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{model!r} is not a local model directory with a config.json "
+                         "(pagedserve never downloads from a model hub)")
+    return path
+
+
 def default_model_dir() -> Path:
     """The converted default model's directory, converting it first if needed."""
     target = cache_dir() / DEFAULT_MODEL_NAME

@@ -9,11 +9,12 @@ graphs captured over these views see each new step's values in place.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
-from pagedserve.attention_metadata import AttentionMetadata
+from pagedserve.models.attention_metadata import AttentionMetadata
 
 PAD_SLOT = -1  # cpp/ops/kv_cache_layout.h kPadSlot: writers skip it
 
@@ -25,8 +26,11 @@ class _Segment:
 
 
 class StepInputs:
-    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
+                 workspace: Optional[torch.Tensor] = None):
+        """workspace: the attention kernels' split-K scratch (CUDA), handed to every step's metadata."""
         self.device = device
+        self.workspace = workspace
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -103,6 +107,7 @@ class StepInputs:
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             num_decodes=num_decodes,
+            workspace=self.workspace,
         )
 
     def decode_views(self, rows: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

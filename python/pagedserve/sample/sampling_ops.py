@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from pagedserve.sampling_tensors import PenaltyTokens
+from pagedserve.sample.sampling_tensors import PenaltyTokens
 
 NEG_INF = float("-inf")
 

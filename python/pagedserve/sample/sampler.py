@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from pagedserve import ops
-from pagedserve.sampling_ops import (apply_min_p_, apply_min_tokens, apply_penalties,
+from pagedserve.sample.sampling_ops import (apply_min_p_, apply_min_tokens, apply_penalties,
                                      apply_top_k_top_p_, exponential_race)
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.sampling_tensors import SamplingBatch, SamplingRow, build_sampling_batch
+from pagedserve.sample.sampling_tensors import SamplingBatch, SamplingRow, build_sampling_batch
 
 __all__ = ["Sampler", "SamplerOutput", "SampleLogprobs", "SamplingRow"]
 

@@ -14,29 +14,30 @@ from typing import Iterator, Optional
 import torch
 
 from pagedserve import ops
-from pagedserve.sampler import PendingSamples
-from pagedserve.step_inputs import StepInputs
+from pagedserve.sample.sampler import PendingSamples, Sampler
+from pagedserve.worker.step_inputs import StepInputs
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache: torch.Tensor, sampler, *, max_num_tokens: int, max_num_seqs: int,
-                 max_blocks_per_seq: int, graphs=None):
+    def __init__(self, model, kv_cache: torch.Tensor, sampler: Sampler, inputs: StepInputs, *,
+                 graphs=None, torch_threads: Optional[int] = None):
+        """graphs: CudaGraphs over the same model, KV cache and inputs, or None (eager).
+        torch_threads: torch's intra-op threads during a step (None: leave torch's setting). On a CPU
+        whose heavy math runs in our ops' own pool, torch's spin-waiting OpenMP workers only compete
+        with that pool for the same cores."""
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = kv_cache.device
-        self.inputs = StepInputs(max_num_tokens, max_num_seqs, max_blocks_per_seq, self.device)
-        self.graphs = graphs  # CudaGraphs or None
-        self.workspace: Optional[torch.Tensor] = None
-        # torch's intra-op threads during a step (None: leave torch's setting). On a CPU whose
-        # heavy math runs in our ops' own pool, torch's spin-waiting OpenMP workers only compete
-        # with that pool for the same cores.
-        self.torch_threads: Optional[int] = None
+        self.inputs = inputs
+        self.graphs = graphs
+        self.torch_threads = torch_threads
 
     @torch.inference_mode()
     def execute_async(self, step, rows) -> PendingSamples:
-        """Queues `step` (a _core.StepOutput) and the sampling of `rows` (one SamplingRow
-        per sample row) on the device; the result arrives with PendingSamples.result()."""
+        """Queues `step` (a _core.StepOutput, or any object with its fields) and the sampling of
+        `rows` (one SamplingRow per sample row) on the device; the result arrives with
+        PendingSamples.result()."""
         with _torch_threads(self.torch_threads):
             if step.block_copies.shape[0]:
                 copies = torch.from_numpy(step.block_copies.copy()).to(self.device, non_blocking=True)
@@ -47,11 +48,10 @@ class ModelRunner:
     def compute_logits(self, step) -> torch.Tensor:
         graph = self.graphs.lookup(step) if self.graphs is not None else None
         if graph is not None:
-            input_ids, positions, attn, logits_indices = self.inputs.prepare(step, padded_num_seqs=graph.batch_size)
+            _, _, _, logits_indices = self.inputs.prepare(step, padded_num_seqs=graph.batch_size)
             hidden = graph.replay()
         else:
             input_ids, positions, attn, logits_indices = self.inputs.prepare(step)
-            attn.workspace = self.workspace
             hidden = self.model.forward(input_ids, positions, attn, self.kv_cache)
         return self.model.compute_logits(hidden[logits_indices.long()])
 

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedserve.stop_strings import StopDelta, StopMatch, StopStringStream, check_stop
+from pagedserve.engine.stop_strings import StopDelta, StopMatch, StopStringStream, check_stop
 
 __all__ = ["IncrementalDetokenizer", "check_stop", "StopMatch", "StopStringStream", "StopDelta"]
 

@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pagedserve.step_inputs import StepInputs
+from pagedserve.worker.step_inputs import StepInputs
 
 logger = logging.getLogger("pagedserve")
 
@@ -42,15 +42,14 @@ class CapturedDecode:
 
 
 class CudaGraphs:
-    def __init__(self, model, kv_cache: torch.Tensor, inputs: StepInputs, max_num_seqs: int, max_seq_len: int,
-                 workspace: Optional[torch.Tensor]):
+    def __init__(self, model, kv_cache: torch.Tensor, inputs: StepInputs, max_num_seqs: int, max_seq_len: int):
         self.sizes = batch_size_ladder(max_num_seqs)
         self._by_size: dict[int, CapturedDecode] = {}
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         inputs.fill_capture_batch(max_num_seqs)
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            self._by_size[bs] = self._capture(model, kv_cache, inputs, bs, max_seq_len, workspace, pool)
+            self._by_size[bs] = self._capture(model, kv_cache, inputs, bs, max_seq_len, pool)
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
                     self.sizes[-1], time.perf_counter() - start)
@@ -60,9 +59,8 @@ class CudaGraphs:
             self._size_for[s] = next(b for b in self.sizes if b >= s)
 
     @staticmethod
-    def _capture(model, kv_cache, inputs: StepInputs, bs: int, max_seq_len: int, workspace, pool) -> CapturedDecode:
+    def _capture(model, kv_cache, inputs: StepInputs, bs: int, max_seq_len: int, pool) -> CapturedDecode:
         input_ids, positions, attn = inputs.decode_views(bs, max_seq_len)
-        attn.workspace = workspace
         model.forward(input_ids, positions, attn, kv_cache)  # warm up: library handles, autotuning
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

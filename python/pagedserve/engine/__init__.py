@@ -1,0 +1,1 @@
+"""The engine: host-side bookkeeping of requests (tokenizer, scheduler, detokenizer, stop strings)."""

@@ -1,0 +1,1 @@
+"""Sampling: logits to token ids on the model's device."""
