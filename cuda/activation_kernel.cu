@@ -8,11 +8,12 @@
 // bf16, one 4096-token prefill moves 138 MiB).
 #include <algorithm>
 
-#include "arg_checks.h"
 #include "cuda_check.h"
 #include "cuda_ops.h"
 #include "dispatch.h"
 #include "float_convert.cuh"
+#include "launch_limits.h"
+#include "ops/op_contracts.h"
 
 namespace pagedserve::cuda {
 namespace {
@@ -43,13 +44,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 void silu_and_mul(const TensorView& out, const TensorView& x, cudaStream_t stream) {
   constexpr const char* kOp = "silu_and_mul";
-  require_cuda_float(kOp, "x", x, 2);
-  require_cuda_tensor(kOp, "out", out, 2);
-  ops::require_same_dtype(kOp, "out", out, x);
-  require_same_device(kOp, "out", out, x);
-  PS_REQUIRE(x.size(1) % 2 == 0, kOp, "x's last dim must be even (gate and up halves), got " + x.describe());
-  ops::require_size(kOp, "out", out, 0, x.size(0));
-  ops::require_size(kOp, "out", out, 1, x.size(1) / 2);
+  ops::check_silu_and_mul(ops::Device::kCUDA, out, x);
   const int intermediate = checked_int(kOp, "intermediate size", out.size(1));
   if (out.numel() == 0) return;
   DeviceGuard guard(x.device_index);

@@ -11,12 +11,13 @@
 // Bytes: 2 * L * C * Hkv * B * D elements read and written.
 #include <algorithm>
 
-#include "arg_checks.h"
 #include "cuda_check.h"
 #include "cuda_ops.h"
 #include "dispatch.h"
 #include "float_convert.cuh"
 #include "kv_cache_index.cuh"
+#include "launch_limits.h"
+#include "ops/op_contracts.h"
 
 namespace pagedserve::cuda {
 namespace {
@@ -71,24 +72,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping, cudaStream_t stream) {
   constexpr const char* kOp = "reshape_and_cache";
-  require_cuda_float(kOp, "key", key, 3);
-  require_cuda_tensor(kOp, "value", value, 3);
-  require_cuda_tensor(kOp, "key_cache", key_cache, 4);
-  require_cuda_tensor(kOp, "value_cache", value_cache, 4);
-  ops::require_same_dtype(kOp, "value", value, key);
-  ops::require_same_dtype(kOp, "key_cache", key_cache, key);
-  ops::require_same_dtype(kOp, "value_cache", value_cache, key);
-  require_same_device(kOp, "value", value, key);
-  require_same_device(kOp, "key_cache", key_cache, key);
-  require_same_device(kOp, "value_cache", value_cache, key);
-  require_cuda_int32(kOp, "slot_mapping", slot_mapping, 1);
-  require_same_device(kOp, "slot_mapping", slot_mapping, key);
+  ops::check_reshape_and_cache(ops::Device::kCUDA, key, value, key_cache, value_cache, slot_mapping);
   const int64_t num_tokens = key.size(0);
-  for (int d = 0; d < 3; ++d) ops::require_size(kOp, "value", value, d, key.size(d));
-  ops::require_size(kOp, "slot_mapping", slot_mapping, 0, num_tokens);
-  ops::require_size(kOp, "key_cache", key_cache, 1, key.size(1));
-  ops::require_size(kOp, "key_cache", key_cache, 3, key.size(2));
-  for (int d = 0; d < 4; ++d) ops::require_size(kOp, "value_cache", value_cache, d, key_cache.size(d));
   const CacheShape shape{checked_int(kOp, "kv heads", key.size(1)), checked_int(kOp, "head_dim", key.size(2)),
                          checked_int(kOp, "block_size", key_cache.size(2)), key_cache.size(0) * key_cache.size(2)};
   const int grid = checked_int(kOp, "num_tokens", num_tokens);
@@ -110,11 +95,7 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
 
 void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies, cudaStream_t stream) {
   constexpr const char* kOp = "copy_blocks";
-  require_cuda_float(kOp, "kv_cache", kv_cache, 6);
-  ops::require_size(kOp, "kv_cache", kv_cache, 1, 2);
-  require_cuda_int32(kOp, "block_copies", block_copies, 2);
-  require_same_device(kOp, "block_copies", block_copies, kv_cache);
-  ops::require_size(kOp, "block_copies", block_copies, 1, 2);
+  ops::check_copy_blocks(ops::Device::kCUDA, kv_cache, block_copies);
   const int num_copies = checked_int(kOp, "number of copies", block_copies.size(0));
   const int num_layer_slabs = checked_int(kOp, "layers * 2", kv_cache.size(0) * 2);
   PS_REQUIRE(num_layer_slabs <= 65535, kOp, "at most 32767 layers");

@@ -3,7 +3,9 @@
 //
 // Every tensor is a contiguous CUDA TensorView on one device; index tensors
 // are int32; float tensors of one op share a dtype (float32, float16 or
-// bfloat16) and arithmetic is float32. Bad arguments throw
+// bfloat16) and arithmetic is float32. Each op checks its arguments with the
+// contract it shares with its CPU twin (cpp/ops/op_contracts.h), then the
+// kernels' own limits (launch_limits.h, dispatch.h). Bad arguments throw
 // std::invalid_argument naming the op and the argument; a failed launch throws
 // std::runtime_error naming the kernel.
 //

@@ -23,11 +23,12 @@
 // (bench/bf16_agreement.py). Other rows use the tree below.
 #include <algorithm>
 
-#include "arg_checks.h"
 #include "cuda_check.h"
 #include "cuda_ops.h"
 #include "dispatch.h"
 #include "float_convert.cuh"
+#include "launch_limits.h"
+#include "ops/op_contracts.h"
 
 namespace pagedserve::cuda {
 namespace {
@@ -245,24 +246,11 @@ void launch_rms_norm(const char* op, void* out, const TensorView& in, void* resi
   });
 }
 
-void require_norm_weight(const char* op, const TensorView& weight, const TensorView& x) {
-  require_cuda_tensor(op, "weight", weight, 1);
-  ops::require_same_dtype(op, "weight", weight, x);
-  ops::require_size(op, "weight", weight, 0, x.size(1));
-  require_same_device(op, "weight", weight, x);
-}
-
 }  // namespace
 
 void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps, cudaStream_t stream) {
   constexpr const char* kOp = "rms_norm";
-  require_cuda_float(kOp, "x", x, 2);
-  require_cuda_tensor(kOp, "out", out, 2);
-  ops::require_same_dtype(kOp, "out", out, x);
-  ops::require_size(kOp, "out", out, 0, x.size(0));
-  ops::require_size(kOp, "out", out, 1, x.size(1));
-  require_same_device(kOp, "out", out, x);
-  require_norm_weight(kOp, weight, x);
+  ops::check_rms_norm(ops::Device::kCUDA, out, x, weight);
   DeviceGuard guard(x.device_index);
   launch_rms_norm<false>(kOp, out.data, x, nullptr, weight, eps, stream);
 }
@@ -270,13 +258,7 @@ void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weig
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight, float eps,
                         cudaStream_t stream) {
   constexpr const char* kOp = "fused_add_rms_norm";
-  require_cuda_float(kOp, "x", x, 2);
-  require_cuda_tensor(kOp, "residual", residual, 2);
-  ops::require_same_dtype(kOp, "residual", residual, x);
-  ops::require_size(kOp, "residual", residual, 0, x.size(0));
-  ops::require_size(kOp, "residual", residual, 1, x.size(1));
-  require_same_device(kOp, "residual", residual, x);
-  require_norm_weight(kOp, weight, x);
+  ops::check_fused_add_rms_norm(ops::Device::kCUDA, x, residual, weight);
   DeviceGuard guard(x.device_index);
   launch_rms_norm<true>(kOp, x.data, x, residual.data, weight, eps, stream);
 }

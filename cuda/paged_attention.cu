@@ -1,4 +1,5 @@
-// paged_attention: argument checks, the decode split-K plan, and the one
+// paged_attention: the kernels' launch limits (after the op's contract,
+// cpp/ops/op_contracts.h), the decode split-K plan, and the one
 // dispatch onto the kernels (decode_attention.cuh, prefill_attention.cuh,
 // attention_f32.cuh).
 //
@@ -10,13 +11,14 @@
 // CUDA graph: host bounds, the workspace size and the SM count.
 #include <type_traits>
 
-#include "arg_checks.h"
 #include "attention_f32.cuh"
 #include "attention_params.h"
 #include "cuda_check.h"
 #include "cuda_ops.h"
 #include "decode_attention.cuh"
 #include "dispatch.h"
+#include "launch_limits.h"
+#include "ops/op_contracts.h"
 #include "prefill_attention.cuh"
 
 namespace pagedserve::cuda {
@@ -64,7 +66,7 @@ DecodeSplit plan_decode_split(const PagedAttentionParams& p, int head_dim, const
                "workspace holds " + std::to_string(available) + " bytes but " + std::to_string(needed) +
                    " are needed; size it with paged_attention_workspace_bytes(num_seqs, num_heads, head_dim, "
                    "max_seq_len)");
-  require_cuda_tensor(kOp, "workspace", workspace, workspace.ndim);
+  ops::require_tensor(kOp, "workspace", workspace, ops::Device::kCUDA, workspace.ndim);
   PS_REQUIRE(workspace.device_index == device, kOp, "workspace must be on the device of the other tensors");
   PS_REQUIRE(is_aligned16(workspace.data), kOp, "workspace must be 16-byte aligned");
   const int64_t slots = static_cast<int64_t>(p.num_decodes) * p.num_heads * split.num_partitions;
@@ -83,42 +85,18 @@ struct AttentionShape {
   int num_seqs;
 };
 
-AttentionShape check_attention_args(const TensorView& out, const TensorView& query, const TensorView& key_cache,
-                                    const TensorView& value_cache, const TensorView& block_tables,
-                                    const TensorView& query_start_loc, const TensorView& seq_lens) {
-  require_cuda_float(kOp, "query", query, 3);
-  require_cuda_tensor(kOp, "out", out, 3);
-  require_cuda_tensor(kOp, "key_cache", key_cache, 4);
-  require_cuda_tensor(kOp, "value_cache", value_cache, 4);
-  require_cuda_int32(kOp, "block_tables", block_tables, 2);
-  require_cuda_int32(kOp, "query_start_loc", query_start_loc, 1);
-  require_cuda_int32(kOp, "seq_lens", seq_lens, 1);
-  ops::require_same_dtype(kOp, "out", out, query);
-  ops::require_same_dtype(kOp, "key_cache", key_cache, query);
-  ops::require_same_dtype(kOp, "value_cache", value_cache, query);
-  for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"out", &out},
-                                {"key_cache", &key_cache},
-                                {"value_cache", &value_cache},
-                                {"block_tables", &block_tables},
-                                {"query_start_loc", &query_start_loc},
-                                {"seq_lens", &seq_lens}}) {
-    require_same_device(kOp, name, *t, query);
-  }
-  for (int d = 0; d < 3; ++d) ops::require_size(kOp, "out", out, d, query.size(d));
-  for (int d = 0; d < 4; ++d) ops::require_size(kOp, "value_cache", value_cache, d, key_cache.size(d));
-  ops::require_size(kOp, "key_cache", key_cache, 3, query.size(2));
-  const int64_t num_seqs = seq_lens.size(0);
-  ops::require_size(kOp, "query_start_loc", query_start_loc, 0, num_seqs + 1);
-  ops::require_size(kOp, "block_tables", block_tables, 0, num_seqs);
+// The op's contract, then the kernels' own limits.
+AttentionShape checked_attention_shape(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                                       const TensorView& value_cache, const TensorView& block_tables,
+                                       const TensorView& query_start_loc, const TensorView& seq_lens) {
+  ops::check_paged_attention(ops::Device::kCUDA, out, query, key_cache, value_cache, block_tables, query_start_loc,
+                             seq_lens);
   const AttentionShape shape{checked_int(kOp, "num_tokens", query.size(0)),
                              checked_int(kOp, "num_heads", query.size(1)),
                              checked_int(kOp, "num_kv_heads", key_cache.size(1)),
                              checked_int(kOp, "head_dim", query.size(2)),
                              checked_int(kOp, "block_size", key_cache.size(2)),
-                             checked_int(kOp, "num_seqs", num_seqs)};
-  PS_REQUIRE(shape.num_kv_heads > 0 && shape.num_heads % shape.num_kv_heads == 0, kOp,
-               "num_heads (" + std::to_string(shape.num_heads) + ") must be a multiple of num_kv_heads (" +
-                   std::to_string(shape.num_kv_heads) + ")");
+                             checked_int(kOp, "num_seqs", seq_lens.size(0))};
   PS_REQUIRE(shape.num_heads <= kMaxGridYZ, kOp, "at most 65535 query heads");
   for (const auto& [name, t] : {std::pair<const char*, const TensorView*>{"out", &out},
                                 {"query", &query},
@@ -143,7 +121,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                      const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
                      const TensorView& workspace, cudaStream_t stream) {
   const AttentionShape shape =
-      check_attention_args(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens);
+      checked_attention_shape(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens);
   const int num_prefills = shape.num_seqs - num_decodes;
   PS_REQUIRE(num_decodes >= 0 && num_prefills >= 0, kOp,
                "num_decodes = " + std::to_string(num_decodes) + " must be in [0, num_seqs = " +

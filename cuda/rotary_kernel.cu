@@ -10,11 +10,12 @@
 // cos/sin (shared by every head, L1 resident).
 #include <algorithm>
 
-#include "arg_checks.h"
 #include "cuda_check.h"
 #include "cuda_ops.h"
 #include "dispatch.h"
 #include "float_convert.cuh"
+#include "launch_limits.h"
+#include "ops/op_contracts.h"
 
 namespace pagedserve::cuda {
 namespace {
@@ -85,27 +86,13 @@ bool can_vectorize(const TensorView& query, const TensorView& key, const TensorV
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
                       const TensorView& cos_sin, cudaStream_t stream) {
   constexpr const char* kOp = "rotary_embedding";
-  require_cuda_float(kOp, "query", query, 3);
-  require_cuda_tensor(kOp, "key", key, 3);
-  ops::require_same_dtype(kOp, "key", key, query);
-  require_same_device(kOp, "key", key, query);
-  require_cuda_int32(kOp, "positions", positions, 1);
-  require_same_device(kOp, "positions", positions, query);
-  require_cuda_tensor(kOp, "cos_sin", cos_sin, 2);
-  ops::require_dtype(kOp, "cos_sin", cos_sin, ops::DType::kFloat32);
-  require_same_device(kOp, "cos_sin", cos_sin, query);
+  ops::check_rotary_embedding(ops::Device::kCUDA, positions, query, key, cos_sin);
   const int64_t num_tokens = query.size(0);
-  ops::require_size(kOp, "positions", positions, 0, num_tokens);
-  ops::require_size(kOp, "key", key, 0, num_tokens);
-  ops::require_size(kOp, "key", key, 2, query.size(2));
   const RotaryShape shape{checked_int(kOp, "query heads", query.size(1)), checked_int(kOp, "kv heads", key.size(1)),
                           checked_int(kOp, "head_dim", query.size(2)), checked_int(kOp, "rotary dim", cos_sin.size(1)),
                           checked_int(kOp, "max_position", cos_sin.size(0))};
-  PS_REQUIRE(shape.rotary_dim % 2 == 0 && shape.rotary_dim <= shape.head_dim, kOp,
-               "cos_sin's rotary dim " + std::to_string(shape.rotary_dim) + " must be even and <= head_dim " +
-                   std::to_string(shape.head_dim));
   const int grid = checked_int(kOp, "num_tokens", num_tokens);
-  if (grid == 0 || shape.rotary_dim == 0) return;
+  if (grid == 0) return;
   DeviceGuard guard(query.device_index);
   dispatch_float(query.dtype, kOp, [&]<typename T>() {
     dispatch_vector_width<T>(can_vectorize<T>(query, key, cos_sin, shape), [&]<int kVec>() {

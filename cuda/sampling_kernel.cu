@@ -9,12 +9,13 @@
 // makes over float32 logits.
 #include <cfloat>
 
-#include "arg_checks.h"
 #include "cuda_check.h"
 #include "cuda_ops.h"
 #include "dispatch.h"
 #include "float_convert.cuh"
+#include "launch_limits.h"
 #include "ops/gumbel_noise.h"
+#include "ops/op_contracts.h"
 
 namespace pagedserve::cuda {
 namespace {
@@ -73,17 +74,9 @@ __global__ void __launch_bounds__(kThreads)
 void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature, uint64_t seed,
                    cudaStream_t stream) {
   constexpr const char* kOp = "sample_tokens";
-  require_cuda_float(kOp, "logits", logits, 2);
-  require_cuda_int32(kOp, "out", out, 1);
-  require_cuda_tensor(kOp, "inv_temperature", inv_temperature, 1);
-  ops::require_dtype(kOp, "inv_temperature", inv_temperature, ops::DType::kFloat32);
-  require_same_device(kOp, "out", out, logits);
-  require_same_device(kOp, "inv_temperature", inv_temperature, logits);
-  ops::require_size(kOp, "out", out, 0, logits.size(0));
-  ops::require_size(kOp, "inv_temperature", inv_temperature, 0, logits.size(0));
+  ops::check_sample_tokens(ops::Device::kCUDA, out, logits, inv_temperature);
   const int rows = checked_int(kOp, "rows", logits.size(0));
   const int vocab = checked_int(kOp, "vocabulary", logits.size(1));
-  PS_REQUIRE(vocab > 0, kOp, "logits must have at least one column");
   if (rows == 0) return;
   DeviceGuard guard(logits.device_index);
   dispatch_float(logits.dtype, kOp, [&]<typename T>() {

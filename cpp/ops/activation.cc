@@ -2,7 +2,7 @@
 #include "ops/cpu_isa.h"
 #include "ops/dispatch.h"
 #include "ops/float_types.h"
-#include "ops/op_checks.h"
+#include "ops/op_contracts.h"
 #include "ops/ops.h"
 #include "ops/parallel.h"
 #include "ops/vec_math.h"
@@ -21,14 +21,9 @@ PS_ALWAYS_INLINE void silu_and_mul_row(T* out, const T* gate, const T* up, int64
 
 void silu_and_mul(const TensorView& out, const TensorView& x) {
   constexpr std::string_view op = "silu_and_mul";
-  require_cpu_float(op, "x", x, 2);
-  require_cpu_float(op, "out", out, 2);
-  require_same_dtype(op, "out", out, x);
-  PS_REQUIRE(x.size(1) % 2 == 0, op, "x's last dim must be even (gate and up halves), got " + x.describe());
+  check_silu_and_mul(Device::kCPU, out, x);
   const int64_t rows = x.size(0);
   const int64_t width = x.size(1) / 2;
-  require_size(op, "out", out, 0, rows);
-  require_size(op, "out", out, 1, width);
   dispatch_float(x.dtype, op, [&]<typename T>() {
     parallel_for_range(rows, 3 * width, [&](int64_t begin, int64_t end) {
       with_cpu_isa([&]() PS_INLINE_BODY {

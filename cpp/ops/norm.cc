@@ -9,7 +9,7 @@
 #include "ops/cpu_isa.h"
 #include "ops/dispatch.h"
 #include "ops/float_types.h"
-#include "ops/op_checks.h"
+#include "ops/op_contracts.h"
 #include "ops/ops.h"
 #include "ops/parallel.h"
 #include "ops/vec_math.h"
@@ -55,19 +55,6 @@ PS_ALWAYS_INLINE float add_residual_row(T* residual, const T* x, int64_t n) {
   return sum_of_squares(residual, n);
 }
 
-void check_norm_args(std::string_view op, std::string_view out_name, const TensorView& out, const TensorView& x,
-                     const TensorView& weight) {
-  require_cpu_float(op, "x", x, 2);
-  require_cpu_float(op, out_name, out, 2);
-  require_cpu_float(op, "weight", weight, 1);
-  require_same_dtype(op, out_name, out, x);
-  require_same_dtype(op, "weight", weight, x);
-  require_size(op, out_name, out, 0, x.size(0));
-  require_size(op, out_name, out, 1, x.size(1));
-  require_size(op, "weight", weight, 0, x.size(1));
-  PS_REQUIRE(x.size(1) > 0, op, "x must have a non-empty last dim, got " + x.describe());
-}
-
 template <typename T>
 PS_ALWAYS_INLINE void rms_norm_rows(T* out, const T* x, const T* weight, int64_t begin, int64_t end, int64_t hidden,
                                     float eps) {
@@ -92,7 +79,7 @@ PS_ALWAYS_INLINE void fused_add_rms_norm_rows(T* x, T* residual, const T* weight
 }  // namespace
 
 void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps) {
-  check_norm_args("rms_norm", "out", out, x, weight);
+  check_rms_norm(Device::kCPU, out, x, weight);
   const int64_t rows = x.size(0);
   const int64_t hidden = x.size(1);
   dispatch_float(x.dtype, "rms_norm", [&]<typename T>() {
@@ -105,7 +92,7 @@ void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weig
 }
 
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight, float eps) {
-  check_norm_args("fused_add_rms_norm", "residual", residual, x, weight);
+  check_fused_add_rms_norm(Device::kCPU, x, residual, weight);
   const int64_t rows = x.size(0);
   const int64_t hidden = x.size(1);
   dispatch_float(x.dtype, "fused_add_rms_norm", [&]<typename T>() {

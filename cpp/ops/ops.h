@@ -6,7 +6,8 @@
 // N blocks, B block size, S sequences. Float tensors are float32, float16 or
 // bfloat16 (all of one op's float arguments share a dtype unless noted);
 // arithmetic is float32. Index tensors are int32. All tensors are contiguous
-// and on the CPU. Bad arguments throw std::invalid_argument.
+// and on the CPU. Bad arguments throw std::invalid_argument; each op's
+// argument contract, shared with its CUDA kernel, is in op_contracts.h.
 #pragma once
 
 #include <cstdint>

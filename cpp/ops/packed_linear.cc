@@ -27,7 +27,7 @@
 #include "ops/cpu_isa.h"
 #include "ops/dispatch.h"
 #include "ops/float_types.h"
-#include "ops/op_checks.h"
+#include "ops/op_contracts.h"
 #include "ops/ops.h"
 #include "ops/packed_weight_layout.h"
 #include "ops/parallel.h"
@@ -329,8 +329,7 @@ void run_row_chunk(const LinearProblem& p, int64_t row_begin, int64_t row_end) {
 }
 
 void check_packed_weight(std::string_view op, const TensorView& packed, int64_t out_features, int64_t in_features) {
-  require_cpu_tensor(op, "packed_weight", packed, 3);
-  require_dtype(op, "packed_weight", packed, DType::kBFloat16);
+  require_tensor_of(op, "packed_weight", packed, Device::kCPU, 3, DType::kBFloat16);
   require_size(op, "packed_weight", packed, 0, packed_col_tiles(out_features));
   require_size(op, "packed_weight", packed, 1, packed_k_pairs(in_features));
   require_size(op, "packed_weight", packed, 2, 2 * kPackedCols);
@@ -340,7 +339,7 @@ void check_packed_weight(std::string_view op, const TensorView& packed, int64_t 
 
 void pack_linear_weight(const TensorView& packed, const TensorView& weight) {
   constexpr std::string_view op = "pack_linear_weight";
-  require_cpu_float(op, "weight", weight, 2);
+  require_float_tensor(op, "weight", weight, Device::kCPU, 2);
   const int64_t out_features = weight.size(0);
   const int64_t in_features = weight.size(1);
   check_packed_weight(op, packed, out_features, in_features);
@@ -359,8 +358,8 @@ void pack_linear_weight(const TensorView& packed, const TensorView& weight) {
 void packed_linear(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
                    const std::optional<TensorView>& bias) {
   constexpr std::string_view op = "packed_linear";
-  require_cpu_float(op, "x", x, 2);
-  require_cpu_float(op, "out", out, 2);
+  require_float_tensor(op, "x", x, Device::kCPU, 2);
+  require_float_tensor(op, "out", out, Device::kCPU, 2);
   require_dtype(op, "x", x, DType::kFloat32);
   require_dtype(op, "out", out, DType::kFloat32);
   const int64_t rows = x.size(0);
@@ -369,8 +368,7 @@ void packed_linear(const TensorView& out, const TensorView& x, const TensorView&
   require_size(op, "out", out, 0, rows);
   check_packed_weight(op, packed_weight, out_features, in_features);
   if (bias) {
-    require_cpu_tensor(op, "bias", *bias, 1);
-    require_dtype(op, "bias", *bias, DType::kFloat32);
+    require_tensor_of(op, "bias", *bias, Device::kCPU, 1, DType::kFloat32);
     require_size(op, "bias", *bias, 0, out_features);
   }
   const LinearProblem p{x.ptr<float>(),  packed_weight.ptr<uint32_t>(), bias ? bias->ptr<float>() : nullptr,

@@ -2,10 +2,10 @@
 //
 // The batch is cut into work items (sequence, kv head, tile of queries) that
 // the pool runs in parallel; attention_tile.h computes one item. Every index
-// the kernel will follow (query ranges, lengths, block ids) is checked here
-// first, so the kernel itself cannot read out of bounds or throw.
+// the kernel will follow (query ranges, lengths, block ids) is checked first,
+// by the op's contract (op_contracts.h), so the kernel itself cannot read out
+// of bounds or throw.
 #include <algorithm>
-#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -14,7 +14,7 @@
 #include "ops/cpu_isa.h"
 #include "ops/decode_attention.h"
 #include "ops/dispatch.h"
-#include "ops/op_checks.h"
+#include "ops/op_contracts.h"
 #include "ops/ops.h"
 #include "ops/parallel.h"
 
@@ -26,66 +26,6 @@ constexpr std::string_view kOp = "paged_attention";
 // Rows (query x head) per work item: enough to amortize converting each
 // key/value tile, few enough that a long prefill still splits across workers.
 constexpr int64_t kRowsPerItem = 32;
-
-void check_tensors(const TensorView& out, const TensorView& query, const TensorView& key_cache,
-                   const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
-                   const TensorView& seq_lens) {
-  require_cpu_float(kOp, "query", query, 3);
-  require_cpu_float(kOp, "out", out, 3);
-  require_cpu_float(kOp, "key_cache", key_cache, 4);
-  require_cpu_float(kOp, "value_cache", value_cache, 4);
-  require_cpu_int32(kOp, "block_tables", block_tables, 2);
-  require_cpu_int32(kOp, "query_start_loc", query_start_loc, 1);
-  require_cpu_int32(kOp, "seq_lens", seq_lens, 1);
-  require_same_dtype(kOp, "out", out, query);
-  require_same_dtype(kOp, "key_cache", key_cache, query);
-  require_same_dtype(kOp, "value_cache", value_cache, query);
-  for (int dim = 0; dim < 3; ++dim) require_size(kOp, "out", out, dim, query.size(dim));
-  for (int dim = 0; dim < 4; ++dim) require_size(kOp, "value_cache", value_cache, dim, key_cache.size(dim));
-  require_size(kOp, "key_cache", key_cache, 3, query.size(2));
-  const int64_t kv_heads = key_cache.size(1);
-  PS_REQUIRE(kv_heads > 0 && query.size(1) % kv_heads == 0, kOp,
-          "query heads (" + std::to_string(query.size(1)) + ") must be a multiple of kv heads (" +
-              std::to_string(kv_heads) + ")");
-  PS_REQUIRE(key_cache.size(2) > 0, kOp, "block size must be > 0, got key_cache " + key_cache.describe());
-  const int64_t num_seqs = seq_lens.size(0);
-  require_size(kOp, "query_start_loc", query_start_loc, 0, num_seqs + 1);
-  require_size(kOp, "block_tables", block_tables, 0, num_seqs);
-}
-
-// Query ranges must tile a prefix of the tokens; each sequence's context must
-// hold its queries, fit its block table and name existing blocks.
-void check_batch(const TensorView& query, const TensorView& key_cache, const TensorView& block_tables,
-                 const TensorView& query_start_loc, const TensorView& seq_lens) {
-  const int32_t* starts = query_start_loc.ptr<int32_t>();
-  const int32_t* lens = seq_lens.ptr<int32_t>();
-  const int64_t num_seqs = seq_lens.size(0);
-  const int64_t max_blocks = block_tables.size(1);
-  const int64_t num_blocks = key_cache.size(0);
-  const int64_t block_size = key_cache.size(2);
-  PS_REQUIRE(starts[0] >= 0 && starts[num_seqs] <= query.size(0), kOp,
-          "query_start_loc must lie within the " + std::to_string(query.size(0)) + " query tokens, got [" +
-              std::to_string(starts[0]) + ", " + std::to_string(starts[num_seqs]) + "]");
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const std::string row = "sequence " + std::to_string(s) + ": ";
-    const int64_t q_len = int64_t{starts[s + 1]} - starts[s];
-    PS_REQUIRE(q_len >= 0, kOp, row + "query_start_loc must be non-decreasing");
-    if (q_len == 0) continue;
-    PS_REQUIRE(lens[s] >= q_len, kOp,
-            row + "seq_lens = " + std::to_string(lens[s]) + " is shorter than its " + std::to_string(q_len) +
-                " queries");
-    const int64_t blocks_needed = (int64_t{lens[s]} + block_size - 1) / block_size;
-    PS_REQUIRE(blocks_needed <= max_blocks, kOp,
-            row + "seq_lens = " + std::to_string(lens[s]) + " needs " + std::to_string(blocks_needed) +
-                " blocks, the block table has " + std::to_string(max_blocks));
-    const int32_t* table = block_tables.ptr<int32_t>() + s * max_blocks;
-    for (int64_t i = 0; i < blocks_needed; ++i) {
-      PS_REQUIRE(table[i] >= 0 && table[i] < num_blocks, kOp,
-              row + "block_tables[" + std::to_string(i) + "] = " + std::to_string(table[i]) +
-                  " is not a block id in [0, " + std::to_string(num_blocks) + ")");
-    }
-  }
-}
 
 struct WorkPlan {
   std::vector<AttentionWorkItem> items;  // most expensive first, so the pool's dynamic scheduling balances well
@@ -128,8 +68,7 @@ WorkPlan plan_work(const TensorView& query_start_loc, const TensorView& seq_lens
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale) {
-  check_tensors(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens);
-  check_batch(query, key_cache, block_tables, query_start_loc, seq_lens);
+  check_paged_attention(Device::kCPU, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens);
   const int64_t q_heads = query.size(1);
   const int64_t kv_heads = key_cache.size(1);
   const int64_t head_dim = query.size(2);

@@ -7,7 +7,7 @@
 #include "ops/cpu_isa.h"
 #include "ops/dispatch.h"
 #include "ops/float_types.h"
-#include "ops/op_checks.h"
+#include "ops/op_contracts.h"
 #include "ops/ops.h"
 #include "ops/parallel.h"
 
@@ -65,39 +65,11 @@ PS_ALWAYS_INLINE void rotate_head(T* x, const float* cos, const float* sin, int6
   }
 }
 
-void check_rotary_args(const TensorView& positions, const TensorView& query, const TensorView& key,
-                       const TensorView& cos_sin) {
-  constexpr std::string_view op = "rotary_embedding";
-  require_cpu_int32(op, "positions", positions, 1);
-  require_cpu_float(op, "query", query, 3);
-  require_cpu_float(op, "key", key, 3);
-  require_cpu_tensor(op, "cos_sin_cache", cos_sin, 2);
-  require_dtype(op, "cos_sin_cache", cos_sin, DType::kFloat32);
-  require_same_dtype(op, "key", key, query);
-  const int64_t tokens = positions.size(0);
-  const int64_t head_dim = query.size(2);
-  const int64_t rotary_dim = cos_sin.size(1);
-  require_size(op, "query", query, 0, tokens);
-  require_size(op, "key", key, 0, tokens);
-  require_size(op, "key", key, 2, head_dim);
-  PS_REQUIRE(rotary_dim > 0 && rotary_dim % 2 == 0 && rotary_dim <= head_dim, op,
-          "cos_sin_cache's rotary dim must be even and in (0, head_dim = " + std::to_string(head_dim) + "], got " +
-              cos_sin.describe());
-  const int64_t max_position = cos_sin.size(0);
-  const int32_t* pos = positions.ptr<int32_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    PS_REQUIRE(pos[t] >= 0 && pos[t] < max_position, op,
-            "positions[" + std::to_string(t) + "] = " + std::to_string(pos[t]) + " is outside the cos_sin_cache [0, " +
-                std::to_string(max_position) + ")");
-  }
-}
-
 }  // namespace
 
 void rope_cos_sin_cache(const TensorView& cos_sin, double theta, const RopeScaling& scaling) {
   constexpr std::string_view op = "rope_cos_sin_cache";
-  require_cpu_tensor(op, "cos_sin", cos_sin, 2);
-  require_dtype(op, "cos_sin", cos_sin, DType::kFloat32);
+  require_tensor_of(op, "cos_sin", cos_sin, Device::kCPU, 2, DType::kFloat32);
   const int64_t rotary_dim = cos_sin.size(1);
   PS_REQUIRE(rotary_dim > 0 && rotary_dim % 2 == 0, op, "rotary dim must be even and > 0, got " + cos_sin.describe());
   PS_REQUIRE(theta > 0.0, op, "theta must be > 0, got " + std::to_string(theta));
@@ -125,7 +97,7 @@ void rope_cos_sin_cache(const TensorView& cos_sin, double theta, const RopeScali
 
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
                       const TensorView& cos_sin) {
-  check_rotary_args(positions, query, key, cos_sin);
+  check_rotary_embedding(Device::kCPU, positions, query, key, cos_sin);
   const int64_t tokens = positions.size(0);
   const int64_t q_heads = query.size(1);
   const int64_t kv_heads = key.size(1);

@@ -5,7 +5,7 @@
 #include "ops/dispatch.h"
 #include "ops/float_types.h"
 #include "ops/gumbel_noise.h"
-#include "ops/op_checks.h"
+#include "ops/op_contracts.h"
 #include "ops/ops.h"
 #include "ops/parallel.h"
 
@@ -54,14 +54,8 @@ int32_t sample_row(const T* logits, int64_t vocab, float inv_temperature, uint64
 void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
                    uint64_t seed) {
   constexpr std::string_view op = "sample_tokens";
-  require_cpu_float(op, "logits", logits, 2);
-  require_cpu_int32(op, "out", out, 1);
-  require_cpu_tensor(op, "inv_temperature", inv_temperature, 1);
-  require_dtype(op, "inv_temperature", inv_temperature, DType::kFloat32);
+  check_sample_tokens(Device::kCPU, out, logits, inv_temperature);
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  require_size(op, "out", out, 0, rows);
-  require_size(op, "inv_temperature", inv_temperature, 0, rows);
-  PS_REQUIRE(vocab > 0, op, "logits must have at least one column");
   const float* inv_t = inv_temperature.ptr<const float>();
   int32_t* ids = out.ptr<int32_t>();
   dispatch_float(logits.dtype, op, [&]<typename T>() {

@@ -1,9 +1,13 @@
 """The engine's kernels, as the model code calls them.
 
-Every function takes torch tensors, converts them to DLPack capsules (no copy)
-and calls the kernel for the tensors' device; `_backend` is the one place that
-choice is made. All argument checking happens in C++, which raises ValueError
-naming the op and the argument (bad dtype, shape, stride or device).
+Every function takes torch tensors, converts each to a DLPack capsule once (no
+copy) and calls the kernel for the tensors' device with the same arguments on
+either: `kernels, stream = _backend(tensor)`, then
+`kernels.<op>(capsules and scalars..., stream)` (cpp/bindings/op_binding.h).
+`_backend` is the one place the device is looked at. All argument checking
+happens in C++, one contract per op for both devices (cpp/ops/op_contracts.h),
+which raises ValueError naming the op and the argument (bad dtype, shape,
+stride or device).
 """
 
 from __future__ import annotations
@@ -35,34 +39,33 @@ __all__ = [
 ]
 
 
-_NO_TAIL: tuple = ()
+_HOST_STREAM = 0
 
 
-def _backend(tensor: torch.Tensor) -> tuple[Any, tuple]:
-    """The kernel module for tensors on `tensor`'s device, and the trailing
-    arguments its functions take: none on the CPU, the caller's current CUDA
-    stream on a GPU (kernels run on it, so they order with torch's work and
-    are captured by CUDA graphs)."""
+def _backend(tensor: torch.Tensor) -> tuple[Any, int]:
+    """The kernel module for tensors on `tensor`'s device, and the stream its functions take last:
+    0 on the CPU (the ops run on the calling thread), the caller's current CUDA stream on a GPU
+    (kernels run on it, so they order with torch's work and are captured by CUDA graphs)."""
     if tensor.is_cpu:
-        return _cpu_ops, _NO_TAIL
+        return _cpu_ops, _HOST_STREAM
     if tensor.is_cuda:
         if not _core.has_cuda:
             raise ValueError("pagedserve.ops: CUDA tensors need the extension built with USE_CUDA=ON "
                              "(pip install -C cmake.define.USE_CUDA=ON .)")
-        return _core.cuda_ops, (torch.cuda.current_stream(tensor.device).cuda_stream,)
+        return _core.cuda_ops, torch.cuda.current_stream(tensor.device).cuda_stream
     raise ValueError(f"pagedserve.ops: no kernels for tensors on {tensor.device}")
 
 
 def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """out = x / sqrt(mean(x^2, -1) + eps) * weight.  x, out: [T, H]; weight: [H]."""
-    backend, tail = _backend(x)
-    backend.rms_norm(_dl(out), _dl(x), _dl(weight), eps, *tail)
+    kernels, stream = _backend(x)
+    kernels.rms_norm(_dl(out), _dl(x), _dl(weight), eps, stream)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place: residual += x; x = rms_norm(residual) * weight."""
-    backend, tail = _backend(x)
-    backend.fused_add_rms_norm(_dl(x), _dl(residual), _dl(weight), eps, *tail)
+    kernels, stream = _backend(x)
+    kernels.fused_add_rms_norm(_dl(x), _dl(residual), _dl(weight), eps, stream)
 
 
 def _llama3_scaling(scaling: Optional[Mapping[str, Any]]) -> Optional[dict]:
@@ -108,61 +111,42 @@ def rotary_embedding(
     positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> None:
     """In place NeoX-style rope.  positions: [T] int32; query: [T, Hq, D]; key: [T, Hkv, D]."""
-    backend, tail = _backend(query)
-    backend.rotary_embedding(_dl(positions), _dl(query), _dl(key), _dl(cos_sin_cache), *tail)
+    kernels, stream = _backend(query)
+    kernels.rotary_embedding(_dl(positions), _dl(query), _dl(key), _dl(cos_sin_cache), stream)
 
 
 def silu_and_mul(out: torch.Tensor, x: torch.Tensor) -> None:
     """out = silu(x[:, :I]) * x[:, I:].  x: [T, 2I]; out: [T, I]."""
-    backend, tail = _backend(x)
-    backend.silu_and_mul(_dl(out), _dl(x), *tail)
+    kernels, stream = _backend(x)
+    kernels.silu_and_mul(_dl(out), _dl(x), stream)
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
     """Writes key/value [T, Hkv, D] into the caches [N, Hkv, B, D] at slot_mapping [T] (-1: skip)."""
-    backend, tail = _backend(key)
-    backend.reshape_and_cache(_dl(key), _dl(value), _dl(key_cache), _dl(value_cache), _dl(slot_mapping), *tail)
+    kernels, stream = _backend(key)
+    kernels.reshape_and_cache(_dl(key), _dl(value), _dl(key_cache), _dl(value_cache), _dl(slot_mapping), stream)
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_copies: torch.Tensor) -> None:
     """For each (src, dst) row of block_copies [C, 2], in order: every layer's block dst = block src."""
-    backend, tail = _backend(kv_cache)
-    backend.copy_blocks(_dl(kv_cache), _dl(block_copies), *tail)
+    kernels, stream = _backend(kv_cache)
+    kernels.copy_blocks(_dl(kv_cache), _dl(block_copies), stream)
 
 
-def paged_attention(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    max_seq_len: int,
-    num_decodes: int = 0,
-    workspace: Optional[torch.Tensor] = None,
-) -> None:
+def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                    max_query_len: int, max_seq_len: int, num_decodes: int = 0,
+                    workspace: Optional[torch.Tensor] = None) -> None:
     """Causal attention of each sequence's queries over its paged context (see cpp/ops/ops.h).
 
     max_query_len, max_seq_len and num_decodes are host-side launch bounds for the CUDA kernels and
-    workspace their split-K scratch; the CPU kernel needs none of them.
+    workspace their split-K scratch; the CPU kernel takes and ignores them.
     """
-    args = (_dl(out), _dl(query), _dl(key_cache), _dl(value_cache), _dl(block_tables), _dl(query_start_loc),
-            _dl(seq_lens), scale)
-    if query.is_cpu:
-        _cpu_ops.paged_attention(*args)
-        return
-    backend, tail = _backend(query)
-    backend.paged_attention(*args, max_query_len, max_seq_len, num_decodes,
-                            None if workspace is None else _dl(workspace), *tail)
+    kernels, stream = _backend(query)
+    kernels.paged_attention(_dl(out), _dl(query), _dl(key_cache), _dl(value_cache), _dl(block_tables),
+                            _dl(query_start_loc), _dl(seq_lens), scale, max_query_len, max_seq_len, num_decodes,
+                            None if workspace is None else _dl(workspace), stream)
 
 
 def paged_attention_workspace(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int,
@@ -178,8 +162,8 @@ def sample_tokens(out: torch.Tensor, logits: torch.Tensor, inv_temperature: torc
     """out[r] = argmax_v(logits[r, v] * inv_temperature[r] + gumbel noise(seed, r, v)): a draw from
     softmax(logits[r] / T) in one pass over the logits; inv_temperature[r] <= 0 means greedy.
     out: [R] int32; logits: [R, V]; inv_temperature: [R] float32; seed: 0 <= seed < 2**64."""
-    backend, tail = _backend(logits)
-    backend.sample_tokens(_dl(out), _dl(logits), _dl(inv_temperature), seed, *tail)
+    kernels, stream = _backend(logits)
+    kernels.sample_tokens(_dl(out), _dl(logits), _dl(inv_temperature), seed, stream)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,86 @@
+// The argument contract of every op that has a CPU and a CUDA kernel, one
+// checker per op, parameterized by the device the caller runs it on.
+//
+// The CPU ops (ops.h) call check_<op>(Device::kCPU, ...) and the CUDA ops
+// (cuda/cuda_ops.h) check_<op>(Device::kCUDA, ...) before any work, so both
+// accept and reject the same tensors with the same messages:
+// std::invalid_argument("<op>: <argument> ..."), a ValueError in Python.
+//
+// Every contract requires, of each tensor argument: the given device (on a
+// GPU, the same one for all of an op's tensors), contiguity, the number of
+// dims shown, and the dtype shown. "float" is float32, float16 or bfloat16,
+// one dtype for all of an op's float tensors (float32 where one says so).
+// Shapes: T tokens, H hidden, Hq query heads, Hkv kv heads, D head dim,
+// R rotary dim, N blocks, B block size, S sequences, L layers, V vocabulary.
+//
+// What the device changes: index tensors (positions, slot_mapping,
+// block_copies, block_tables, query_start_loc, seq_lens) live in host memory
+// on the CPU, so there the contract also reads them and rejects out-of-range
+// entries. On a GPU they cannot be read before the launch: the kernels skip
+// writes through an out-of-range index and trust reads (cuda/cuda_ops.h).
+// Limits of the CUDA kernels themselves (int32 launch shapes, alignment, the
+// head dims and block sizes compiled) are checked by the CUDA ops after the
+// contract; ops with only a CPU kernel (rope_cos_sin_cache,
+// pack_linear_weight, packed_linear) check their arguments where they are
+// defined, with the helpers below.
+#pragma once
+
+#include <string_view>
+
+#include "ops/tensor_view.h"
+
+namespace pagedserve::ops {
+
+// rms_norm: x [T, H] float, H > 0; out [T, H]; weight [H].
+void check_rms_norm(Device device, const TensorView& out, const TensorView& x, const TensorView& weight);
+
+// fused_add_rms_norm: x [T, H] float, H > 0; residual [T, H]; weight [H].
+void check_fused_add_rms_norm(Device device, const TensorView& x, const TensorView& residual, const TensorView& weight);
+
+// rotary_embedding: positions [T] int32; query [T, Hq, D] float; key [T, Hkv, D] float;
+// cos_sin_cache [max_position, R] float32 with R even and 0 < R <= D.
+// CPU: every position lies in [0, max_position).
+void check_rotary_embedding(Device device, const TensorView& positions, const TensorView& query, const TensorView& key,
+                            const TensorView& cos_sin_cache);
+
+// silu_and_mul: x [T, 2I] float; out [T, I] float.
+void check_silu_and_mul(Device device, const TensorView& out, const TensorView& x);
+
+// reshape_and_cache: key and value [T, Hkv, D] float; key_cache and value_cache
+// [N, Hkv, B, D] float; slot_mapping [T] int32.
+// CPU: every slot is kPadSlot (-1) or lies in [0, N * B).
+void check_reshape_and_cache(Device device, const TensorView& key, const TensorView& value, const TensorView& key_cache,
+                             const TensorView& value_cache, const TensorView& slot_mapping);
+
+// copy_blocks: kv_cache [L, 2, N, Hkv, B, D] float; block_copies [C, 2] int32.
+// CPU: every block id lies in [0, N).
+void check_copy_blocks(Device device, const TensorView& kv_cache, const TensorView& block_copies);
+
+// paged_attention: query and out [T, Hq, D] float; key_cache and value_cache
+// [N, Hkv, B, D] float, Hq a multiple of Hkv, B > 0; block_tables
+// [S, max_blocks], query_start_loc [S + 1] and seq_lens [S] int32.
+// CPU: the query ranges are non-decreasing and lie within the T tokens; each
+// sequence with queries holds at least q_len positions, fits its block table
+// and names existing blocks.
+void check_paged_attention(Device device, const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                           const TensorView& value_cache, const TensorView& block_tables,
+                           const TensorView& query_start_loc, const TensorView& seq_lens);
+
+// sample_tokens: logits [R, V] float, V > 0; out [R] int32; inv_temperature [R] float32.
+void check_sample_tokens(Device device, const TensorView& out, const TensorView& logits,
+                         const TensorView& inv_temperature);
+
+// ---------------------------------------------------------------------------
+// The rules contracts are made of (beside tensor_view.h's require_*).
+
+// A contiguous tensor with ndim dims on `device`.
+void require_tensor(std::string_view op, std::string_view arg, const TensorView& t, Device device, int ndim);
+// ... of a float dtype (float32, float16 or bfloat16).
+void require_float_tensor(std::string_view op, std::string_view arg, const TensorView& t, Device device, int ndim);
+// ... of dtype `dtype`.
+void require_tensor_of(std::string_view op, std::string_view arg, const TensorView& t, Device device, int ndim,
+                       DType dtype);
+// On the same GPU as `like` (CPU tensors share the host).
+void require_same_device(std::string_view op, std::string_view arg, const TensorView& t, const TensorView& like);
+
+}  // namespace pagedserve::ops
