@@ -1,21 +1,39 @@
-"""A scripted stand-in for LLMEngine, for testing the server's engine loop
-without a model: the same methods and output types, a byte-level
-"tokenizer", and a KV pool of one block per `block_size` tokens so aborts
-and leaks are visible.
+"""A scripted stand-in for LLMEngine, for testing the server without a model.
+
+FakeEngine implements the server's EngineClient protocol
+(pagedserve/server/engine_client.py) and nothing more: info, add / abort
+returning the final outputs, step, stats and snapshot. It has a byte-level
+"tokenizer" with a trivial chat template, a KV pool of one block per
+`block_size` tokens so aborts and leaks are visible, and a prefix cache that
+reports the whole blocks a prompt shares with an earlier one.
 
 Sample j of a request emits tokens (len(prompt) + j + k) % 26 + ord('a') for
 k = 0, 1, ..., so tests know every output in advance.
+
+Run as a script it is a whole server over the fake (fast to start, no model):
+
+    python tests_py/fake_engine.py --port 8123 [server flags] [--fake-step-seconds 0.01]
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Optional
 
+from pagedserve.engine.info import EngineInfo
+from pagedserve.engine.validation import EngineLimits, validate_request
+from pagedserve.errors import RequestError
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+BLOCK_STATE_NAMES = {"0": "free", "1": "in_use", "2": "shared", "3": "cached"}
+CRASH = "<crash>"
+# Text of the fake's exceptions that must reach the log, never a response.
+SECRET = "secret detail /srv/models/weights.bin"
 
 
 def expected_text(prompt_len: int, sample_index: int, num_tokens: int) -> str:
@@ -23,11 +41,28 @@ def expected_text(prompt_len: int, sample_index: int, num_tokens: int) -> str:
 
 
 class ByteTokenizer:
+    """Bytes as token ids; a chat renders as 'role: content' lines and a final 'assistant: '.
+    Text holding CRASH makes encode() raise, as a tokenizer bug would."""
+
+    bos_token_id = None
+    bos_token = None
+    name_or_path = "fake-bytes"
+    chat_template = "role: content lines"
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if CRASH in text:
+            raise RuntimeError(f"tokenizer exploded: {SECRET}")
         return list(text.encode("utf-8"))
 
     def decode(self, ids, **_) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids) -> list[str]:
+        return [bytes([i]).decode("latin-1") for i in ids]
+
+    def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = True) -> str:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
 
 
 @dataclass
@@ -39,11 +74,14 @@ class _Sample:
     changed: bool = False
 
 
-class FakeRequest:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params, arrival_time: float):
+class _Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params, max_tokens: int, arrival_time: float,
+                 num_cached_tokens: int):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        self.max_tokens = max_tokens
+        self.num_cached_tokens = num_cached_tokens
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.samples = [_Sample(i) for i in range(params.n)]
 
@@ -59,79 +97,77 @@ class FakeRequest:
                                     finish_reason=s.finish_reason) for s in changed]
         for s in changed:
             s.new_tokens, s.changed = [], False
-        return RequestOutput(self.request_id, None, self.prompt_token_ids, outputs, self.finished, self.metrics)
-
-
-class _FakeScheduler:
-    """Sequence id i is the engine's i-th unfinished request."""
-
-    def __init__(self, engine: "FakeEngine"):
-        self._engine = engine
-        self.pool = SimpleNamespace(block_states=engine._block_states)
-        self.config = SimpleNamespace(block_size=engine.block_size, max_num_seqs=engine.max_num_seqs)
-
-    @property
-    def running_ids(self) -> list[int]:
-        return list(range(len(self._engine.running_requests())))
-
-    @property
-    def waiting_ids(self) -> list[int]:
-        return list(range(len(self._engine.running_requests()), len(self._engine.requests)))
+        return RequestOutput(self.request_id, None, self.prompt_token_ids, outputs, self.finished, self.metrics,
+                             num_cached_tokens=self.num_cached_tokens)
 
 
 class FakeEngine:
     def __init__(self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 64, max_num_seqs: int = 4,
-                 step_seconds: float = 0.0):
-        self.tokenizer = ByteTokenizer()
-        self.max_model_len = max_model_len
+                 step_seconds: float = 0.0, max_logprobs: int = 5, vocab_size: int = 256,
+                 default_sampling: Optional[dict] = None, fail_prompt: Optional[str] = None):
         self.step_seconds = step_seconds
         self.fail_next_step = False
-        self.requests: dict[str, FakeRequest] = {}
+        # A step with a request of this prompt raises (as a device error would):
+        self.fail_prompt = list(fail_prompt.encode()) if fail_prompt else None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
-        self.config = SimpleNamespace(max_logprobs=5)
-        self.model_config = SimpleNamespace(vocab_size=256)
-        self.scheduler = _FakeScheduler(self)
+        self.limits = EngineLimits(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                   max_logprobs=max_logprobs, vocab_size=vocab_size)
+        self.default_sampling = dict(default_sampling or {})
+        self._tokenizer = ByteTokenizer()
+        self._requests: dict[str, _Request] = {}
+        self._cached_prefixes: set[tuple[int, ...]] = set()  # whole-block prompt prefixes seen
+        # Test instrumentation, not part of the interface:
         self.thread_ids: set[int] = set()  # every thread that called into the engine
+        self.added_params: dict[str, object] = {}  # the SamplingParams each request came with
         self.num_steps = 0
         self._last_step = (0, 0, 0)
 
-    # -- the LLMEngine interface the server uses --------------------------------------------------------
+    # -- the EngineClient interface -------------------------------------------------------------------
+    def info(self) -> EngineInfo:
+        return EngineInfo(model_name="fake-model", model_path=Path("/models/fake-model"), device="cpu",
+                          dtype="float32", tokenizer=self._tokenizer, limits=self.limits,
+                          default_sampling=dict(self.default_sampling))
+
     def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
         self.thread_ids.add(threading.get_ident())
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        ids = list(prompt["prompt_token_ids"])
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt plus max_tokens is more than max_model_len ({self.max_model_len})")
-        self.requests[request_id] = FakeRequest(request_id, ids, params, arrival_time or time.monotonic())
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use", "request_id", "duplicate_id")
+        ids = validate_request(list(prompt["prompt_token_ids"]), params, self.limits)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.limits.max_model_len - len(ids)
+        self._requests[request_id] = _Request(request_id, ids, params, max_tokens, arrival_time or time.monotonic(),
+                                              self._cache(ids))
+        self.added_params[request_id] = params
 
-    def abort_request(self, request_id) -> None:
+    def abort_request(self, request_ids) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return
-        for s in request.samples:
-            if s.finish_reason is None:
-                s.finish_reason, s.changed = "abort", True
-        request.metrics.finished_time = time.monotonic()
+        finals = []
+        for rid in request_ids:
+            request = self._requests.pop(rid, None)
+            if request is None:
+                continue
+            for s in request.samples:
+                if s.finish_reason is None:
+                    s.finish_reason, s.changed = "abort", True
+            request.metrics.finished_time = time.monotonic()
+            delta = request.take_delta()
+            if delta is not None:
+                finals.append(delta)
+        return finals
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return bool(self._requests)
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
-        if self.fail_next_step:
+        if self.fail_next_step or any(r.prompt_token_ids == self.fail_prompt for r in self._requests.values()):
             self.fail_next_step = False
-            raise RuntimeError("injected step failure")
+            raise RuntimeError(f"injected step failure: {SECRET}")
         if self.step_seconds:
             time.sleep(self.step_seconds)
         self.num_steps += 1
-        running = self.running_requests()
+        running = self._running()
         now = time.monotonic()
         outputs = []
         for request in running:
@@ -143,7 +179,7 @@ class FakeEngine:
                 s.token_ids.append(token)
                 s.new_tokens.append(token)
                 s.changed = True
-                if len(s.token_ids) >= request.params.max_tokens:
+                if len(s.token_ids) >= request.max_tokens:
                     s.finish_reason = "length"
             request.metrics.first_token_time = request.metrics.first_token_time or now
             request.metrics.last_token_time = now
@@ -152,30 +188,92 @@ class FakeEngine:
             outputs.append(request.take_delta())
             if request.finished:
                 request.metrics.finished_time = now
-                del self.requests[request.request_id]
+                del self._requests[request.request_id]
         return outputs
 
     def stats(self) -> dict:
-        used = sum(self._blocks_of(r) for r in self.running_requests())
-        running = len(self.running_requests())
+        used = sum(self._blocks_of(r) for r in self._running())
+        running = len(self._running())
         prefill, decode, seqs = self._last_step
-        return {"num_running": running, "num_waiting": len(self.requests) - running, "num_blocks": self.num_blocks,
-                "num_free_blocks": self.num_blocks - used, "num_evictable_blocks": 0, "num_used_blocks": used,
-                "pool_utilization": used / self.num_blocks, "prefix_hit_rate": 0.0, "num_preemptions": 0,
-                "step_num_seqs": seqs, "step_prefill_tokens": prefill, "step_decode_tokens": decode}
+        return {"num_running": running, "num_waiting": len(self._requests) - running,
+                "num_blocks": self.num_blocks, "num_free_blocks": self.num_blocks - used, "num_evictable_blocks": 0,
+                "num_used_blocks": used, "pool_utilization": used / self.num_blocks, "prefix_hit_rate": 0.0,
+                "num_preemptions": 0, "step_num_seqs": seqs, "step_prefill_tokens": prefill,
+                "step_decode_tokens": decode}
 
-    def request_id_of(self, seq_id: int) -> Optional[str]:
-        ids = list(self.requests)
-        return ids[seq_id] if 0 <= seq_id < len(ids) else None
+    def snapshot(self) -> dict:
+        used = min(sum(self._blocks_of(r) for r in self._running()), self.num_blocks)
+        running = self._running()
+        return {"stats": self.stats(), "block_size": self.block_size,
+                "block_states": "1" * used + "0" * (self.num_blocks - used), "block_state_names": BLOCK_STATE_NAMES,
+                "running": [self._summary(r) for r in running],
+                "waiting": [self._summary(r) for r in list(self._requests.values())[len(running):]],
+                "num_unfinished_requests": len(self._requests)}
 
     # -- helpers ---------------------------------------------------------------------------------------
-    def running_requests(self) -> list[FakeRequest]:
-        return list(self.requests.values())[:self.max_num_seqs]
+    def _running(self) -> list[_Request]:
+        return list(self._requests.values())[:self.max_num_seqs]
 
-    def _blocks_of(self, request: FakeRequest) -> int:
+    def _blocks_of(self, request: _Request) -> int:
         tokens = len(request.prompt_token_ids) + max(len(s.token_ids) for s in request.samples)
         return -(-tokens // self.block_size)
 
-    def _block_states(self) -> bytes:
-        used = min(sum(self._blocks_of(r) for r in self.running_requests()), self.num_blocks)
-        return bytes([1] * used + [0] * (self.num_blocks - used))
+    def _cache(self, ids: list[int]) -> int:
+        """Prompt tokens in whole blocks an earlier prompt began with (the last token is never cached)."""
+        whole = (len(ids) - 1) // self.block_size
+        hit = 0
+        for k in range(1, whole + 1):
+            prefix = tuple(ids[:k * self.block_size])
+            if prefix in self._cached_prefixes:
+                hit = k * self.block_size
+            self._cached_prefixes.add(prefix)
+        return hit
+
+    @staticmethod
+    def _summary(request: _Request) -> dict:
+        return {"id": request.request_id, "prompt_tokens": len(request.prompt_token_ids), "n": len(request.samples),
+                "output_tokens": max((len(s.token_ids) for s in request.samples), default=0)}
+
+
+class ProtocolOnly:
+    """An engine seen through the EngineClient protocol alone: any other attribute is an AttributeError,
+    so a server that reaches past the interface fails its tests."""
+
+    def __init__(self, engine):
+        from pagedserve.server.engine_client import EngineClient
+        self._engine = engine
+        self._names = {n for n in vars(EngineClient) if not n.startswith("_")}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name not in self._names:
+            raise AttributeError(f"the server used engine.{name}, which is not part of EngineClient")
+        return getattr(self._engine, name)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from pagedserve.server.app import serve
+    from pagedserve.server.args import add_server_args
+
+    parser = argparse.ArgumentParser(description="pagedserve's server over FakeEngine (tests)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    add_server_args(parser)
+    g = parser.add_argument_group("fake engine")
+    g.add_argument("--fake-step-seconds", type=float, default=0.0)
+    g.add_argument("--fake-load-seconds", type=float, default=0.0)
+    g.add_argument("--fake-max-model-len", type=int, default=256)
+    g.add_argument("--fake-max-num-seqs", type=int, default=4)
+    g.add_argument("--fake-temperature", type=float, default=None, help="the model's default temperature")
+    g.add_argument("--fake-fail-prompt", default=None, help="a step with a request of this prompt raises")
+    args = parser.parse_args(argv)
+
+    def build() -> ProtocolOnly:
+        time.sleep(args.fake_load_seconds)
+        defaults = {"temperature": args.fake_temperature} if args.fake_temperature is not None else {}
+        return ProtocolOnly(FakeEngine(num_blocks=256, max_model_len=args.fake_max_model_len,
+                                       max_num_seqs=args.fake_max_num_seqs, step_seconds=args.fake_step_seconds,
+                                       default_sampling=defaults, fail_prompt=args.fake_fail_prompt))
+    return serve(args, build_engine=build)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,11 +2,15 @@
 
     with ServerProcess("--max-num-seqs", "8") as server:
         client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+
+With fake=True the same server runs over tests_py/fake_engine.py's FakeEngine
+(no model: up in a second); its args are server flags and --fake-* options.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -32,20 +36,26 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, api_key: Optional[str] = None):
+    def __init__(self, *args: str, api_key: Optional[str] = None, fake: bool = False,
+                 max_open_files: Optional[int] = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.base_url = self.url + "/v1"
         self.api_key = api_key
-        self.args = list(CPU_ARGS) + list(args) + (["--api-key", api_key] if api_key else [])
+        self.fake = fake
+        self.max_open_files = max_open_files  # RLIMIT_NOFILE of the server process (soft and hard)
+        self.args = ([] if fake else list(CPU_ARGS)) + list(args) + (["--api-key", api_key] if api_key else [])
         self.health_codes_seen: set[int] = set()
         self._log = tempfile.NamedTemporaryFile("w+", prefix="pagedserve-server-", suffix=".log", delete=False)
         self.process: Optional[subprocess.Popen] = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               *self.args]
+    def command(self) -> list[str]:
+        entry = [str(Path(__file__).with_name("fake_engine.py"))] if self.fake else ["-m", "pagedserve.cli", "serve"]
+        return [sys.executable, *entry, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+
+    def start(self, wait: bool = True) -> "ServerProcess":
+        cmd = self.command()
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         # One torch thread: the server shares 2 cores with the test's clients, and OpenMP's spinning
@@ -57,9 +67,14 @@ class ServerProcess:
         source = str(Path(pagedserve.__file__).resolve().parents[1])
         if source == str(REPO_ROOT / "python") and source not in env.get("PYTHONPATH", "").split(os.pathsep):
             env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
+        limit = self.max_open_files
+
+        def limit_open_files() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
         self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL)
-        self.wait_healthy()
+                                        stdin=subprocess.DEVNULL, preexec_fn=limit_open_files if limit else None)
+        if wait:
+            self.wait_healthy()
         return self
 
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
@@ -95,9 +110,11 @@ class ServerProcess:
             self.process.wait()
             raise
 
-    def log(self) -> str:
+    def log(self, tail: Optional[int] = 8000) -> str:
+        """The server's output so far (its last `tail` characters; None: all of it)."""
         self._log.flush()
-        return Path(self._log.name).read_text(errors="replace")[-8000:]
+        text = Path(self._log.name).read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

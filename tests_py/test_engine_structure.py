@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +101,12 @@ def test_prefix_cache_hit_is_reported_as_cached_tokens(engine):
     assert _run(engine)["first"].num_cached_tokens == 0
     engine.add_request("second", prompt, SamplingParams(max_tokens=2, temperature=0))
     assert _run(engine)["second"].num_cached_tokens == 8
+    # 9 tokens: the cache holds 8, so the prefill is one token, scheduled among the decodes.
+    engine.add_request("third", prompt[:9], SamplingParams(max_tokens=2, temperature=0))
+    engine.add_request("busy", [7, 7, 7], SamplingParams(max_tokens=6, temperature=0))
+    engine.step()
+    finals = _run(engine)
+    assert finals["third"].num_cached_tokens == 8 and finals["third"].metrics.first_scheduled_time is not None
 
 
 def test_info_carries_limits_and_the_models_sampling_defaults(tiny_checkpoint):
@@ -185,12 +192,9 @@ def test_imports_flow_one_way(layer):
 
 
 def test_the_server_uses_only_the_engine_client_interface():
-    reaching = []
-    for path in (PACKAGE / "server").rglob("*.py"):
-        text = path.read_text()
-        for attr in ("engine.worker", "engine.scheduler", "engine.requests", "engine.config", "engine.tokenizer"):
-            if attr in text:
-                reaching.append(f"{path.name}: {attr}")
+    reach = re.compile(r"(?<![\w.])engine\.(worker|scheduler|requests|config|model_config|tokenizer)\b")
+    reaching = [f"{path.name}: {m.group(0)}" for path in (PACKAGE / "server").rglob("*.py")
+                for m in reach.finditer(path.read_text())]
     assert not reaching
 
 

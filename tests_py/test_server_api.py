@@ -18,6 +18,9 @@ from server_process import ServerProcess
 
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
+# Fields left out take the model's sampling defaults (for this model pagedserve's, repetition_penalty 1.1
+# among them); plain greedy, as HF's generate and the raw logprobs know it, has no penalty.
+NO_PENALTY = {"repetition_penalty": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +40,11 @@ def model(client) -> str:
 
 
 @pytest.fixture(scope="module")
-def hf(server):
-    """(tokenizer, model) of HF transformers over the directory the server loaded."""
+def hf(server, default_model_path):
+    """(tokenizer, model) of HF transformers over the directory the server loaded (the default model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root = server.get("/v1/models").json()["data"][0]["root"]
+    root = str(default_model_path)
     tokenizer = AutoTokenizer.from_pretrained(root)
     hf_model = AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32).eval()
     return tokenizer, hf_model
@@ -83,7 +86,7 @@ def test_health_and_models(server, client, model):
 
 
 def test_greedy_completion_matches_hf_transformers(server, client, model, hf):
-    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body=NO_PENALTY)
     choice = out.choices[0]
     assert choice.text == hf_greedy(hf, tokenize(server, prompt=PROMPT), 12)
     assert out.object == "text_completion" and out.id.startswith("cmpl-")
@@ -94,13 +97,14 @@ def test_greedy_completion_matches_hf_transformers(server, client, model, hf):
 
 
 def test_greedy_chat_matches_hf_and_streams_the_same_text(server, client, model, hf):
-    out = client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0)
+    out = client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0,
+                                         extra_body=NO_PENALTY)
     ids = tokenize(server, messages=CHAT)
     message = out.choices[0].message
     assert message.role == "assistant" and message.content == hf_greedy(hf, ids, 16)
     assert out.usage.prompt_tokens == len(ids) and out.object == "chat.completion"
     stream = client.chat.completions.create(model=model, messages=CHAT, max_tokens=16, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+                                            stream_options={"include_usage": True}, extra_body=NO_PENALTY)
     texts, reasons, usage = stream_texts(stream)
     assert texts == {0: message.content} and reasons == {0: out.choices[0].finish_reason}
     assert usage.completion_tokens == out.usage.completion_tokens and usage.prompt_tokens == len(ids)
@@ -168,7 +172,7 @@ def test_extra_sampling_fields(server, client, model):
     ids = tokenize(server, prompt=out.choices[0].text, add_special_tokens=False)
     stop_id = next(t for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
     cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=20, temperature=0,
-                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop_id], **NO_PENALTY})
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["stop_reason"] == stop_id
     assert out.choices[0].text.startswith(cut.choices[0].text)
     assert cut.usage.completion_tokens == ids.index(stop_id) + 1  # the stop token counts, its text does not
@@ -202,7 +206,8 @@ def test_echo_prepends_the_prompt(client, model):
 
 
 def test_completion_logprobs(client, model):
-    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body=NO_PENALTY)
     lp = out.choices[0].logprobs
     n = out.usage.completion_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
@@ -214,7 +219,7 @@ def test_completion_logprobs(client, model):
 
 def test_chat_logprobs(client, model):
     out = client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
-                                         top_logprobs=2)
+                                         top_logprobs=2, extra_body=NO_PENALTY)
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
     for item in content:
@@ -223,7 +228,7 @@ def test_chat_logprobs(client, model):
         assert item.logprob == pytest.approx(values[0], abs=1e-4)
         assert item.bytes == list(item.token.encode())
     chunks = list(client.chat.completions.create(model=model, messages=CHAT, max_tokens=5, temperature=0,
-                                                 logprobs=True, top_logprobs=2, stream=True))
+                                                 logprobs=True, top_logprobs=2, stream=True, extra_body=NO_PENALTY))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [t.token for t in streamed] == [t.token for t in content]
 
@@ -258,3 +263,17 @@ def test_metrics_and_engine_state(server, client, model):
     assert "3" in state["block_states"], "finished prompts stay cached for prefix reuse"
     assert state["steps"] and state["steps"][-1]["decode_tokens"] + state["steps"][-1]["prefill_tokens"] > 0
     assert server.get("/").headers["content-type"].startswith("text/html")
+
+
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(client, model):
+    prompt = "A paged KV cache keeps every sequence's keys and values in fixed-size blocks. " * 6
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens_details is not None
+    assert 16 <= cached < second.usage.prompt_tokens, "whole blocks of the prompt come from the cache"
+    chat = [{"role": "user", "content": prompt + "Summarize that."}]
+    client.chat.completions.create(model=model, messages=chat, max_tokens=2, temperature=0)
+    streamed = list(client.chat.completions.create(model=model, messages=chat, max_tokens=2, temperature=0,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens >= 16

@@ -7,20 +7,21 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from types import SimpleNamespace
 
 import pytest
 
-from fake_engine import FakeEngine, expected_text
+from fake_engine import FakeEngine, ProtocolOnly, expected_text
 from pagedserve.server.async_engine import AsyncEngine, EngineOverloaded, EngineStepError, EngineUnavailable
 from pagedserve.server.engine_commands import AddCommand, StopCommand, WaitingCount
 from pagedserve.server.engine_loop import EngineLoop
 from pagedserve.server.engine_state import read_engine_state
+from pagedserve.errors import RequestError
+from pagedserve.sampling_params import SamplingParams
 from pagedserve.server.metrics import ServerMetrics
 
 
-def params(max_tokens: int, n: int = 1):
-    return SimpleNamespace(n=n, max_tokens=max_tokens)
+def params(max_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(n=n, max_tokens=max_tokens)
 
 
 def prompt(text: str) -> dict:
@@ -45,7 +46,7 @@ def run(engine: FakeEngine, body, max_num_waiting: int = 100, metrics=None):
 
     async def main():
         async_engine = AsyncEngine(max_num_waiting)
-        async_engine.start(engine, asyncio.get_running_loop(), metrics)
+        async_engine.start(ProtocolOnly(engine), asyncio.get_running_loop(), metrics)
         try:
             return await body(async_engine)
         finally:
@@ -69,7 +70,7 @@ def test_concurrent_requests_get_their_own_outputs_from_one_engine_thread():
     for (text, max_tokens, n), got in zip(cases, results, strict=True):
         assert got == {(0, j): (expected_text(len(text), j, max_tokens), "length") for j in range(n)}
     assert len(engine.thread_ids) == 1 and threading.get_ident() not in engine.thread_ids
-    assert engine.requests == {}
+    assert not engine.has_unfinished_requests()
 
 
 def test_several_prompts_in_one_call_are_indexed_in_order():
@@ -98,7 +99,7 @@ def test_a_refused_request_raises_and_the_engine_keeps_serving():
 
     got, waiting = run(engine, body)
     assert got == {(0, 0): (expected_text(3, 0, 4), "length")}
-    assert waiting == 0 and engine.requests == {}
+    assert waiting == 0 and not engine.has_unfinished_requests()
 
 
 def test_closing_a_stream_early_aborts_its_request_and_frees_its_blocks():
@@ -138,7 +139,7 @@ def test_cancelling_the_consumer_aborts_the_request():
         with pytest.raises(asyncio.CancelledError):
             await task
         return await async_engine.read(
-            lambda engine, loop: (engine.get_num_unfinished_requests(), loop.state.num_steps))
+            lambda engine, loop: (engine.snapshot()["num_unfinished_requests"], loop.state.num_steps))
 
     unfinished, steps = run(engine, body)
     assert unfinished == 0 and 0 < steps < 60
@@ -177,7 +178,7 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_serving_goes_on():
 
     after, failures = run(engine, body)
     assert after == {(0, 0): (expected_text(3, 0, 3), "length")} and failures == 1
-    assert engine.requests == {}
+    assert not engine.has_unfinished_requests()
 
 
 def test_an_unexpected_error_in_add_request_fails_that_request_only():
@@ -212,7 +213,7 @@ def test_a_dead_loop_fails_its_requests_and_reports_itself():
             await async_engine.generate([prompt("x")], params(2), "after")
 
     run(engine, body)
-    assert engine.requests == {}
+    assert not engine.has_unfinished_requests()
 
 
 def test_shutdown_aborts_streams_in_flight_and_refuses_new_requests():
@@ -232,7 +233,7 @@ def test_shutdown_aborts_streams_in_flight_and_refuses_new_requests():
         assert set(got) == {(0, 0), (0, 1)}
         for text, reason in got.values():
             assert reason == "abort" and 0 < len(text) < 50
-    assert engine.requests == {}
+    assert not engine.has_unfinished_requests()
 
 
 def test_adds_queued_behind_a_stop_are_refused_not_lost():
@@ -249,7 +250,7 @@ def test_adds_queued_behind_a_stop_are_refused_not_lost():
 
     async def main():
         event_loop = asyncio.get_running_loop()
-        loop = EngineLoop(engine, event_loop, Router(), WaitingCount())
+        loop = EngineLoop(ProtocolOnly(engine), event_loop, Router(), WaitingCount())
         before, after = event_loop.create_future(), event_loop.create_future()
         # all three are taken in one batch once the thread starts
         loop.submit(AddCommand("before", prompt("abc"), params(5), 0.0, before))
@@ -264,7 +265,7 @@ def test_adds_queued_behind_a_stop_are_refused_not_lost():
         return [(o.request_id, o.outputs[0].finish_reason) for o in Router.delivered]
 
     assert asyncio.run(main()) == [("before", "abort")]
-    assert engine.requests == {}
+    assert not engine.has_unfinished_requests()
 
 
 def test_metrics_count_tokens_and_finished_requests():
@@ -293,3 +294,28 @@ def test_metrics_count_tokens_and_finished_requests():
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert samples[f"pagedserve:{name}_count" + label] == 2
     assert samples["pagedserve:e2e_request_latency_seconds_sum" + label] > 0
+
+
+def test_the_waiting_bound_counts_sequences_and_refuses_calls_that_can_never_fit():
+    engine = FakeEngine(max_num_seqs=2, step_seconds=0.01)
+
+    async def body(async_engine):
+        running = await async_engine.generate([prompt("a"), prompt("a")], params(50), "running")  # both slots
+        waiting = [await async_engine.generate([prompt("b")], params(4, n=2), f"w{i}") for i in range(2)]
+        await async_engine.read(lambda engine, loop: None)  # the loop has published its count
+        assert async_engine.num_waiting == 4  # two requests of n = 2: four sequences
+        with pytest.raises(EngineOverloaded):
+            await async_engine.generate([prompt("c")], params(2), "one-too-many")
+        # more sequences than the bound, on any load: a request error (400), not "retry later"
+        with pytest.raises(RequestError, match="max-num-waiting") as info:
+            await async_engine.generate([prompt("d")] * 5, params(2), "five-prompts")
+        assert info.value.field == "prompt" and info.value.code == "too_many_sequences"
+        with pytest.raises(RequestError) as info:
+            await async_engine.generate([prompt("d")], params(2, n=5), "n-five")
+        assert info.value.field == "n"
+        running.close()
+        return [await collect(s) for s in waiting]
+
+    results = run(engine, body, max_num_waiting=4)
+    assert all(r == {(0, j): (expected_text(1, j, 4), "length") for j in range(2)} for r in results)
+    assert not engine.has_unfinished_requests()

@@ -7,6 +7,8 @@ and room for two waiting requests, so the queue fills with three requests.
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 
 import httpx
@@ -235,3 +237,56 @@ def _aborted_count(server) -> float:
         if line.startswith("pagedserve:request_success_total") and 'finished_reason="abort"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+# ---------------------------------------------------------------------------- hostile input (issue 11)
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}',
+     "messages"),
+    ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
+])
+def test_a_lone_surrogate_is_a_400_and_the_connection_stays_open(server, path, body, param):
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    try:
+        with sock.makefile("rb") as reader:
+            for request_body in (body, '{"prompt": "fine"}'):
+                data = request_body.encode()
+                target = path if request_body == body else "/tokenize"
+                sock.sendall(f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+                             f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+                status = int(reader.readline().split()[1])
+                headers = {}
+                while (line := reader.readline().decode().strip()):
+                    key, value = line.split(":", 1)
+                    headers[key.lower()] = value.strip()
+                payload = reader.read(int(headers["content-length"]))
+                if request_body == body:
+                    assert status == 400, payload
+                    error = json.loads(payload)["error"]
+                    assert error["param"] == param and "surrogate" in error["message"], error
+                else:
+                    assert status == 200  # the same keep-alive connection answers the next request
+    finally:
+        sock.close()
+    assert "Traceback" not in server.log(None)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("stop_token_ids", [2**31]), ("stop_token_ids", [-1]), ("max_tokens", 10**20), ("n", 2**40), ("top_k", 2**31),
+    ("prompt", [1, 2**31]), ("max_tokens", "2"), ("stream", "yes"),
+])
+def test_out_of_range_integers_and_wrong_types_are_readable_400s(server, field, value):
+    response = raw_post(server, "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field, error
+    assert "incompatible function arguments" not in error["message"] and "_core" not in error["message"]
+
+
+def test_the_docs_need_the_key_and_models_show_no_path(server):
+    for path in ("/docs", "/openapi.json"):
+        assert httpx.get(server.url + path).status_code == 401
+        assert httpx.get(server.url + path, headers={"Authorization": f"bearer {API_KEY}"}).status_code == 200
+    entry = httpx.get(server.base_url + "/models", headers={"Authorization": f"BEARER {API_KEY}"}).json()["data"][0]
+    assert entry["root"] == entry["id"] and "/" not in entry["root"]

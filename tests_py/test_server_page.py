@@ -74,3 +74,47 @@ def test_chat_streams_and_the_engine_view_shows_the_block_map(server, tmp_path):
     # after the reply, its blocks stay cached for prefix reuse; the rest of the pool is free
     assert count_color(image, CACHED) > 20 and count_color(image, FREE) > 1000
     assert count_color(image, PREFILL) > 0 and count_color(image, DECODE) > 0
+
+
+def test_a_failed_message_is_marked_and_can_be_retried(server):
+    with sync_playwright() as p, tempfile.TemporaryDirectory() as profile:
+        browser = p.chromium.launch_persistent_context(profile, executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                                       headless=True, viewport={"width": 1280, "height": 900})
+        try:
+            page = browser.new_page()
+            errors, bodies = [], []
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            page.on("request", lambda r: bodies.append(r.post_data) if r.url.endswith("/chat/completions") else None)
+            page.goto(server.url + "/")
+            page.wait_for_function("document.getElementById('temperature').placeholder !== ''", timeout=30000)
+            # the API key's placeholder fits its box
+            fits = page.evaluate("""() => {
+                const input = document.getElementById('api-key'), style = getComputedStyle(input);
+                const g = document.createElement('canvas').getContext('2d');
+                g.font = `${style.fontSize} ${style.fontFamily}`;
+                const room = input.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
+                return g.measureText(input.placeholder).width <= room; }""")
+            temperature = page.evaluate("[document.getElementById('temperature').value, "
+                                        "document.getElementById('temperature').placeholder]")
+            page.fill("#max-tokens", "100000")  # more than max_model_len: the server refuses it
+            page.fill("#prompt", "Say hi.")
+            page.click("#send")
+            page.wait_for_selector(".msg.error .retry", timeout=60000)
+            failed = page.evaluate("[document.querySelectorAll('.msg.user.failed').length, "
+                                   "document.querySelector('.msg.error').textContent]")
+            page.fill("#max-tokens", "6")
+            page.click(".msg.error .retry")
+            page.wait_for_function("document.querySelector('.msg.assistant') && "
+                                   "document.querySelector('.msg.assistant').textContent.trim().length > 0 && "
+                                   "!document.getElementById('send').disabled", timeout=120000)
+            after = page.evaluate("[document.querySelectorAll('.msg.user').length, "
+                                  "document.querySelectorAll('.msg.user.failed').length, "
+                                  "document.querySelectorAll('.msg.error').length]")
+        finally:
+            browser.close()
+    defaults = server.engine_state()["default_sampling"]
+    assert errors == [] and fits
+    assert temperature == ["", str(defaults["temperature"])]  # empty: the model's default, shown
+    assert all('"temperature"' not in body for body in bodies)
+    assert failed[0] == 1 and "max_model_len" in failed[1]
+    assert after == [1, 0, 0]  # the retried message, sent once, and no error left

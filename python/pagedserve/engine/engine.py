@@ -71,6 +71,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._sequences = Sequences(self.scheduler)
         self._untexted: dict[str, Request] = {}  # requests with tokens or finishes not yet turned into outputs
+        self._unscheduled: dict[int, Request] = {}  # first sequence of requests not yet scheduled
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
 
@@ -103,6 +104,7 @@ class LLMEngine:
             ignore_eos=params.ignore_eos, stop_token_ids=list(params.stop_token_ids or []), n=params.n)
         self.requests[request_id] = request
         self._sequences.own(seq_id, request, 0)
+        self._unscheduled[seq_id] = request
         self.num_prompt_tokens_total += len(token_ids)
 
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> list[RequestOutput]:
@@ -115,6 +117,7 @@ class LLMEngine:
             if request is None:
                 continue
             for sample in request.samples:
+                self._unscheduled.pop(sample.seq_id, None)
                 self._sequences.stop(sample, _core.FinishReason.ABORT)
                 sample.finish("abort")
             request.metrics.finished_time = time.monotonic()
@@ -146,18 +149,19 @@ class LLMEngine:
     def _note_schedule(self, out) -> None:
         now = time.monotonic()
         for rejected in out.rejected:
+            self._unscheduled.pop(rejected.seq_id, None)
             self._untext(self._sequences.ended(rejected.seq_id, rejected.reason, error=REJECTED_ERROR))
         for seq_id in out.preempted:
             owner = self._sequences.get(seq_id)
             if owner is not None:
                 owner[0].metrics.num_preemptions += 1
-        # A first schedule is a prefill row; its first position is how many prompt tokens the prefix cache held.
-        qsl, positions = out.query_start_loc, out.positions
-        for row in range(out.num_decodes, out.num_seqs):
-            owner = self._sequences.get(int(out.seq_ids[row]))
-            if owner and owner[0].metrics.first_scheduled_time is None:
-                owner[0].metrics.first_scheduled_time = now
-                owner[0].num_cached_tokens = int(positions[qsl[row]])
+        if self._unscheduled:  # first schedules: the row's first position is how many prompt tokens were cached
+            qsl, positions = out.query_start_loc, out.positions
+            for row, seq_id in enumerate(out.seq_ids.tolist()):  # a one-token prefill sits among the decodes
+                request = self._unscheduled.pop(seq_id, None)
+                if request is not None:
+                    request.metrics.first_scheduled_time = now
+                    request.num_cached_tokens = int(positions[qsl[row]])
 
     def _sampling_rows(self, out) -> list:
         rows = []

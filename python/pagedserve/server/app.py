@@ -2,11 +2,12 @@
 
     pagedserve serve --port 8000 [--model DIR] [--api-key KEY] [engine options]
 
-The HTTP server comes up at once and answers /health with 503 while the
-model loads on a thread of its own; then one engine loop thread serves
-every connection (see async_engine.py). SIGINT / SIGTERM stop accepting,
-abort the requests in flight (streams end with finish_reason "abort"),
-join the loop thread and exit 0.
+serve() binds the port first (a port in use is one line and exit status 1),
+then announces it; the HTTP server comes up at once and answers /health with
+503 while the model loads on a thread of its own; then one engine loop
+thread serves every connection (see async_engine.py). SIGINT / SIGTERM stop
+accepting, abort the requests in flight (streams end with finish_reason
+"abort"), join the loop thread and exit 0.
 """
 
 from __future__ import annotations
@@ -24,12 +25,18 @@ from typing import Callable, Optional
 import uvicorn
 from fastapi import FastAPI
 
+from pagedserve.server.args import check_server_args, with_server_defaults
 from pagedserve.server.async_engine import AsyncEngine
+from pagedserve.server.connections import (BindError, GuardedH11Protocol, RateLimitedLog, RateLimitFilter,
+                                           bind_socket, loop_exception_handler, raise_open_file_limit, socket_url)
 from pagedserve.server.context import ServerContext
-from pagedserve.server.engine_inputs import EngineLimits
-from pagedserve.server.errors import install_error_handlers
+from pagedserve.server.engine_client import EngineClient
+from pagedserve.server.engine_commands import Observers
+from pagedserve.server.errors import InternalErrorMiddleware, install_error_handlers
 from pagedserve.server.metrics import ServerMetrics
-from pagedserve.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from pagedserve.server.middleware import (APIKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware,
+                                          parse_allowed_hosts)
+from pagedserve.server.request_log import RequestLog
 from pagedserve.server.routes import add_routes
 
 logger = logging.getLogger("pagedserve.server")
@@ -56,33 +63,33 @@ def build_app(ctx: ServerContext, on_startup: Optional[Callable[[asyncio.Abstrac
                   docs_url="/docs", redoc_url=None)
     install_error_handlers(app)
     add_routes(app, ctx)
-    # Added last = runs first: the key is checked before the body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes)
+    # Added last = runs first: the Host and the key are checked before the body is read.
+    app.add_middleware(InternalErrorMiddleware)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.max_request_bytes, timeout_s=ctx.body_timeout_s)
     if ctx.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.api_key)
+    elif ctx.allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed=ctx.allowed_hosts)
     return app
 
 
-def attach_engine(ctx: ServerContext, engine, loop: asyncio.AbstractEventLoop) -> None:
-    """Fills the context from a loaded engine and starts the engine loop (event loop thread)."""
+def attach_engine(ctx: ServerContext, engine: EngineClient, loop: asyncio.AbstractEventLoop,
+                  request_log: Optional[RequestLog] = None) -> None:
+    """Fills the context from a loaded engine's info() and starts the engine loop (event loop thread)."""
     if ctx.async_engine.stopping:
         return  # a signal came while loading
-    ctx.served_model_name = ctx.served_model_name or engine.worker.model_dir.name
-    ctx.model_dir = str(engine.worker.model_dir)
-    ctx.device = str(engine.worker.device)
-    ctx.tokenizer = engine.tokenizer
-    ctx.limits = EngineLimits(max_model_len=engine.max_model_len,
-                              max_num_seqs=engine.scheduler.config.max_num_seqs,
-                              max_logprobs=engine.config.max_logprobs,
-                              vocab_size=engine.model_config.vocab_size)
+    info = engine.info()
+    ctx.served_model_name = ctx.served_model_name or info.model_name
+    ctx.info = info
     async_engine = ctx.async_engine
     ctx.metrics = ServerMetrics(ctx.served_model_name,
                                 lambda: async_engine.loop_state.stats if async_engine.loop_state else None)
-    async_engine.start(engine, loop, ctx.metrics)
+    async_engine.start(engine, loop, Observers([ctx.metrics, request_log]))
 
 
-def start_loading(ctx: ServerContext, build_engine: Callable[[], object], loop: asyncio.AbstractEventLoop,
-                  on_ready: Callable[[], None], on_failure: Callable[[], None]) -> threading.Thread:
+def start_loading(ctx: ServerContext, build_engine: Callable[[], EngineClient], loop: asyncio.AbstractEventLoop,
+                  on_ready: Callable[[], None], on_failure: Callable[[], None],
+                  request_log: Optional[RequestLog] = None) -> threading.Thread:
     """Builds the engine on a daemon thread, then attaches it on the event loop."""
 
     def load() -> None:
@@ -98,7 +105,7 @@ def start_loading(ctx: ServerContext, build_engine: Callable[[], object], loop: 
             return
 
         def attach() -> None:
-            attach_engine(ctx, engine, loop)
+            attach_engine(ctx, engine, loop, request_log)
             on_ready()
         _call_in_loop(loop, attach)
 
@@ -132,19 +139,51 @@ class GracefulServer(uvicorn.Server):
         self._on_exit()
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Runs the server until a signal; 0 on a clean stop, 1 when the model failed to load."""
+def _default_engine(args: argparse.Namespace) -> Callable[[], EngineClient]:
     from pagedserve.engine_config import engine_config_from_args
 
-    config = engine_config_from_args(args)
+    config = engine_config_from_args(args)  # a bad option fails here, before the port is taken
+
+    def build():
+        from pagedserve.engine.engine import LLMEngine
+        return LLMEngine(config)
+    return build
+
+
+def _configure_logging(verbose: bool) -> None:
+    """Info lines of the server (per request, throughput) show without -v; -v adds uvicorn's access log."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedserve.server").setLevel(logging.INFO)
+
+
+def serve(args: argparse.Namespace, build_engine: Optional[Callable[[], EngineClient]] = None) -> int:
+    """Runs the server until a signal: 0 on a clean stop, 1 when the port cannot be bound or the
+    model failed to load. `build_engine` replaces LLMEngine(config from args) (tests)."""
+    args = with_server_defaults(args)
+    check_server_args(args)
+    build_engine = build_engine or _default_engine(args)
+    verbose = getattr(args, "verbose", False)
+    _configure_logging(verbose)
+    raise_open_file_limit()
+    try:
+        sock = bind_socket(args.host, args.port)
+    except BindError as err:
+        print(f"pagedserve: error: {err}", file=sys.stderr, flush=True)
+        return 1
+    url = socket_url(sock)
     ctx = ServerContext(AsyncEngine(args.max_num_waiting), api_key=args.api_key,
-                        max_request_bytes=args.max_request_bytes, served_model_name=args.served_model_name)
-    url = f"http://{args.host}:{args.port}"
+                        max_request_bytes=args.max_request_bytes, body_timeout_s=args.timeout_body,
+                        allowed_hosts=parse_allowed_hosts(args.allowed_hosts, args.host),
+                        served_model_name=args.served_model_name)
+    request_log = RequestLog(log_requests=not args.disable_log_requests, interval_s=args.log_stats_interval)
+    flood = RateLimitedLog()
     server: Optional[GracefulServer] = None
 
-    def build_engine():
-        from pagedserve.engine import LLMEngine
-        return LLMEngine(config)
+    def on_startup(loop: asyncio.AbstractEventLoop) -> None:
+        loop.set_exception_handler(loop_exception_handler(flood))
+        start_loading(ctx, build_engine, loop, on_ready, on_failure, request_log)
 
     def on_ready() -> None:
         print(f"pagedserve: serving {ctx.served_model_name} on {ctx.device} at {url} "
@@ -153,12 +192,14 @@ def serve(args: argparse.Namespace) -> int:
     def on_failure() -> None:
         server.should_exit = True
 
-    app = build_app(ctx, lambda loop: start_loading(ctx, build_engine, loop, on_ready, on_failure))
-    verbose = getattr(args, "verbose", False)
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, access_log=verbose,
-                                           log_level="info" if verbose else "warning",
-                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS),
-                            on_exit=ctx.async_engine.begin_shutdown)
+    app = build_app(ctx, on_startup)
+    protocol = GuardedH11Protocol.configure(args.timeout_header, args.max_connections, flood)
+    config = uvicorn.Config(app, http=protocol, access_log=verbose, log_level="info" if verbose else "warning",
+                            timeout_keep_alive=args.timeout_keep_alive, limit_concurrency=args.max_connections,
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS)
+    logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())
+    server = GracefulServer(config, on_exit=ctx.async_engine.begin_shutdown)
     print(f"pagedserve: listening on {url}, loading the model", file=sys.stderr, flush=True)
-    server.run()
+    with sock:
+        server.run(sockets=[sock])
     return 1 if ctx.load_error is not None else 0

@@ -17,6 +17,7 @@ import asyncio
 import time
 from typing import Any, Callable, Optional, Sequence
 
+from pagedserve.errors import RequestError
 from pagedserve.server.engine_commands import (AbortCommand, AddCommand, EngineStepError, EngineUnavailable,
                                                SnapshotCommand, StepObserver, StopCommand, WaitingCount)
 from pagedserve.server.engine_loop import EngineLoop
@@ -25,7 +26,7 @@ __all__ = ["AsyncEngine", "OutputStream", "EngineOverloaded", "EngineUnavailable
 
 
 class EngineOverloaded(Exception):
-    """The waiting queue is full: the client should retry later."""
+    """The waiting sequences leave no room for a call now: the client should retry later."""
 
 
 class OutputStream:
@@ -71,7 +72,6 @@ class AsyncEngine:
         if max_num_waiting < 1:
             raise ValueError(f"max_num_waiting must be at least 1, got {max_num_waiting}")
         self.max_num_waiting = max_num_waiting
-        self.engine = None
         self._loop_thread: Optional[EngineLoop] = None
         self._event_loop: Optional[asyncio.AbstractEventLoop] = None
         self._waiting = WaitingCount()
@@ -83,7 +83,6 @@ class AsyncEngine:
         """Starts the loop thread over a loaded engine; outputs are delivered on `event_loop`."""
         if self._loop_thread is not None:
             raise RuntimeError("the engine loop is already running")
-        self.engine = engine
         self._event_loop = event_loop
         self._loop_thread = EngineLoop(engine, event_loop, self, self._waiting, observer)
         self._loop_thread.start()
@@ -132,18 +131,25 @@ class AsyncEngine:
         """Submits one engine request per prompt ({"prompt": text | None, "prompt_token_ids": [...]})
         and waits until the engine accepted them all.
 
-        Raises EngineOverloaded when the waiting queue is full, EngineUnavailable while
-        loading or stopping, and the engine's ValueError for a request it refuses.
+        Raises EngineUnavailable while loading or stopping, RequestError for a call that could
+        never fit the waiting bound or that the engine refuses, and EngineOverloaded when the
+        waiting sequences leave no room for this call's (prompts x n) now.
         """
         self._check_serving()
-        if self.num_waiting + len(prompts) > self.max_num_waiting:
-            raise EngineOverloaded(f"the server has {self.num_waiting} requests waiting "
+        num_seqs = len(prompts) * params.n
+        if num_seqs > self.max_num_waiting:
+            raise RequestError(f"this call asks for {num_seqs} sequences ({len(prompts)} prompt(s) x n={params.n}), "
+                               f"more than the server queues at once (--max-num-waiting {self.max_num_waiting}); "
+                               f"split it into smaller calls", "n" if params.n > self.max_num_waiting else "prompt",
+                               "too_many_sequences")
+        if self.num_waiting + num_seqs > self.max_num_waiting:
+            raise EngineOverloaded(f"the server has {self.num_waiting} sequences waiting "
                                    f"(--max-num-waiting {self.max_num_waiting}); retry later")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         outputs: asyncio.Queue = asyncio.Queue()
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
         accepted = []
-        self._waiting.add_submitted(len(prompts))
+        self._waiting.add_submitted(num_seqs)
         for index, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
             self._routes[rid] = (outputs, index)
             future = self._event_loop.create_future()
@@ -167,7 +173,8 @@ class AsyncEngine:
             self._loop_thread.submit(AbortCommand(list(request_ids)))
 
     async def read(self, reader: Callable[[Any, EngineLoop], Any]) -> Any:
-        """Runs `reader(engine, loop)` on the loop thread between steps and returns its value."""
+        """Runs `reader(engine, loop)` on the loop thread between steps and returns its value
+        (the engine is an EngineClient; the reader may call its methods, the loop thread's own)."""
         self._check_serving()
         done = self._event_loop.create_future()
         self._loop_thread.submit(SnapshotCommand(reader, done))

@@ -1,13 +1,13 @@
 """What crosses between the event loop and the engine loop thread: the
 commands the server submits, the hooks the loop calls back, and the count of
-waiting requests both sides keep."""
+waiting sequences both sides keep."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 
 class EngineUnavailable(Exception):
@@ -24,7 +24,11 @@ class AddCommand:
     prompt: dict
     params: Any  # SamplingParams
     arrival_time: float
-    accepted: asyncio.Future  # resolves to None, or fails with the engine's ValueError
+    accepted: asyncio.Future  # resolves to None, or fails with the engine's RequestError
+
+    @property
+    def num_seqs(self) -> int:
+        return self.params.n
 
 
 @dataclass
@@ -43,15 +47,38 @@ class StopCommand:
 
 
 class StepObserver(Protocol):
-    """Metrics hooks, called on the loop thread."""
+    """Metrics and logging hooks, called on the loop thread."""
 
     def on_request_added(self, request_id: str, num_prompt_tokens: int) -> None: ...
 
     def on_outputs(self, outputs: list) -> None: ...  # deltas of a step, or the finals of aborts
 
-    def on_step(self, step_seconds: float) -> None: ...
+    def on_step(self, step_seconds: float, stats: dict) -> None: ...  # stats: engine.stats() after the step
 
     def on_requests_dropped(self, request_ids: list[str]) -> None: ...  # failed without a final output
+
+
+class Observers:
+    """Several StepObservers as one."""
+
+    def __init__(self, observers: Sequence[Optional[StepObserver]]):
+        self._observers = [o for o in observers if o is not None]
+
+    def on_request_added(self, request_id: str, num_prompt_tokens: int) -> None:
+        for o in self._observers:
+            o.on_request_added(request_id, num_prompt_tokens)
+
+    def on_outputs(self, outputs: list) -> None:
+        for o in self._observers:
+            o.on_outputs(outputs)
+
+    def on_step(self, step_seconds: float, stats: dict) -> None:
+        for o in self._observers:
+            o.on_step(step_seconds, stats)
+
+    def on_requests_dropped(self, request_ids: list[str]) -> None:
+        for o in self._observers:
+            o.on_requests_dropped(request_ids)
 
 
 class OutputRouter(Protocol):
@@ -63,9 +90,9 @@ class OutputRouter(Protocol):
 
 
 class WaitingCount:
-    """Requests not yet running: submitted but not yet applied by the loop, plus
-    the scheduler's waiting queue. Both change under one lock so the sum never
-    counts a request twice or misses one in between."""
+    """Sequences (prompts x n) not yet generating: submitted but not yet applied by
+    the loop, plus those waiting in the engine. Both change under one lock so the
+    sum never counts a sequence twice or misses one in between."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -1,31 +1,26 @@
 """From API request bodies to engine inputs: token-id prompts and SamplingParams.
 
-Everything a request can get wrong is caught here, before it reaches the
-engine, and reported as a 400 naming the offending parameter: the engine's
-own checks stay as the last line of defence.
+The rules are the engine's own, not copies: SamplingParams checks its
+ranges, pagedserve.engine.validation checks text, token ids and the engine's
+limits. The server runs them before submitting, so a refusal is a 400 without
+a trip through the engine loop; their RequestError becomes the 400 body
+naming the field (errors.py). What is left here is the API's side: the body
+fields the server does not support, and how prompts and messages become
+token ids.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional, Union
 
-from pagedserve.server.errors import APIError, bad_request
+from pagedserve.engine.validation import EngineLimits, check_text, validate_request
+from pagedserve.errors import RequestError
+from pagedserve.server.errors import bad_request, from_request_error
 from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 
-# Defaults of the OpenAI API where the body leaves a field out.
-DEFAULT_TEMPERATURE = 1.0
-DEFAULT_TOP_P = 1.0
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    """The configured limits a request is checked against."""
-
-    max_model_len: int
-    max_num_seqs: int
-    max_logprobs: int
-    vocab_size: int
+# Body fields that, when left out, take the model's default (EngineInfo.default_sampling: the model's
+# generation_config.json over pagedserve's defaults), as vLLM does; the rest take the OpenAI defaults.
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def require_tokenizer(tokenizer, what: str) -> None:
@@ -36,7 +31,7 @@ def require_tokenizer(tokenizer, what: str) -> None:
 def completion_prompts(body: CompletionRequest, tokenizer) -> list[dict]:
     """The prompts of a completions body (a string, strings, token ids or lists of them) as
     engine prompt dicts {"prompt": text | None, "prompt_token_ids": [...]}, in order."""
-    from pagedserve.tokenizer import encode_prompt
+    from pagedserve.engine.tokenizer import encode_prompt
 
     prompt = body.prompt
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
@@ -52,103 +47,94 @@ def completion_prompts(body: CompletionRequest, tokenizer) -> list[dict]:
             if not item:
                 raise bad_request(f"'{where}' is an empty string", "prompt")
             require_tokenizer(tokenizer, "text prompts")
+            _check_text(item, where, "prompt")
             prompts.append({"prompt": item, "prompt_token_ids": encode_prompt(tokenizer, item)})
         else:
             if not item:
                 raise bad_request(f"'{where}' is an empty list of token ids", "prompt")
-            prompts.append({"prompt": None, "prompt_token_ids": [int(t) for t in item]})
+            prompts.append({"prompt": None, "prompt_token_ids": list(item)})
     return prompts
 
 
 def chat_prompt(body: ChatCompletionRequest, tokenizer) -> dict:
     """The conversation rendered with the model's chat template, as an engine prompt dict."""
-    from pagedserve.tokenizer import apply_chat_template
-
     if not body.messages:
         raise bad_request("'messages' is empty: send at least one message", "messages")
     require_tokenizer(tokenizer, "chat messages")
-    messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
+    ids = render_chat(tokenizer, body.messages, body.add_generation_prompt)
+    return {"prompt": None, "prompt_token_ids": ids}
+
+
+def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    from pagedserve.engine.tokenizer import apply_chat_template
+
+    dicts = [message_dict(m, i) for i, m in enumerate(messages)]
     try:
-        ids = apply_chat_template(tokenizer, messages, add_generation_prompt=body.add_generation_prompt)
+        return apply_chat_template(tokenizer, dicts, add_generation_prompt=add_generation_prompt)
     except ValueError as err:
         raise bad_request(str(err), "messages") from err
     except Exception as err:  # a template may raise anything (jinja2 errors) on a conversation it rejects
-        raise bad_request(f"the model's chat template rejected the messages: {err}", "messages") from err
-    return {"prompt": None, "prompt_token_ids": ids}
+        raise bad_request(f"the model's chat template rejected the messages: {err}",
+                          "messages") from err
 
 
 def message_dict(message: ChatMessage, position: int) -> dict:
     """A chat message as the template expects it; text parts are joined, other parts refused."""
     content = message.content
+    where = f"messages[{position}]"
     if isinstance(content, list):
         texts = []
         for part in content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise bad_request(f"messages[{position}].content: only text parts are supported, got a part "
+                raise bad_request(f"{where}.content: only text parts are supported, got a part "
                                   f"of type {part.get('type')!r}", "messages")
             texts.append(part["text"])
         content = "\n".join(texts)
-    out = {"role": message.role, "content": content or ""}
+    out = {"role": message.role, "content": _check_text(content or "", f"{where}.content", "messages")}
     if message.name:
-        out["name"] = message.name
+        out["name"] = _check_text(message.name, f"{where}.name", "messages")
     return out
 
 
-def check_token_ids(prompts: list[dict], limits: EngineLimits) -> None:
+def _check_text(text: str, where: str, param: str) -> str:
+    try:
+        return check_text(text, where)
+    except RequestError as err:
+        raise from_request_error(err, param) from None
+
+
+def check_prompts(prompts: list[dict], params, limits: EngineLimits, prompt_param: str = "prompt") -> None:
+    """The engine's own check of each prompt with these params (ids, lengths, n, logprobs); the
+    prompt's field is reported as `prompt_param` (the chat API's is "messages")."""
     for p in prompts:
-        bad = [t for t in p["prompt_token_ids"] if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})",
-                              "prompt")
+        try:
+            p["prompt_token_ids"] = validate_request(p["prompt_token_ids"], params, limits)
+        except RequestError as err:
+            raise from_request_error(err, prompt_param if err.field == "prompt" else None) from None
 
 
-def resolve_max_tokens(requested: Optional[int], prompt_lengths: list[int], limits: EngineLimits,
-                       prompt_param: str) -> int:
-    """max_tokens as asked, or whatever context the longest prompt leaves; 400 when they do not fit."""
-    longest = max(prompt_lengths)
-    room = limits.max_model_len - longest
-    if room < 1:
-        raise bad_request(f"the prompt is {longest} tokens, which leaves no room to generate within "
-                          f"max_model_len ({limits.max_model_len})", prompt_param, code="context_length_exceeded")
-    if requested is None:
-        return room
-    if requested > room:
-        raise bad_request(f"the prompt ({longest} tokens) plus max_tokens ({requested}) is {longest + requested} "
-                          f"tokens, more than max_model_len ({limits.max_model_len})", "max_tokens",
-                          code="context_length_exceeded")
-    return requested
-
-
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: Optional[int], limits: EngineLimits):
-    """SamplingParams for a body; range errors become 400s naming the parameter."""
+def sampling_params(body: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int], defaults: dict):
+    """SamplingParams for a body: fields it leaves out take `defaults` (the model's) where
+    MODEL_DEFAULT_FIELDS says so. Raises RequestError naming the field out of range."""
     from pagedserve.sampling_params import SamplingParams
 
-    if body.n > limits.max_num_seqs:
-        raise bad_request(f"n={body.n} is more than this server allows (max_num_seqs {limits.max_num_seqs})", "n")
-    if logprobs is not None and logprobs > limits.max_logprobs:
-        raise bad_request(f"logprobs={logprobs} is more than this server allows (max_logprobs "
-                          f"{limits.max_logprobs})", "logprobs")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
-    try:
-        return SamplingParams(
-            n=body.n, max_tokens=max_tokens, logprobs=logprobs,
-            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
-            top_p=DEFAULT_TOP_P if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k, min_p=0.0 if body.min_p is None else body.min_p,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-            include_stop_str_in_output=body.include_stop_str_in_output, ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens)
-    except (ValueError, TypeError) as err:
-        raise _param_error(str(err), body) from err
-
-
-def _param_error(message: str, body: SamplingFields) -> APIError:
-    # SamplingParams' messages start with the field's name ("top_p must be in (0, 1], got 2.0").
-    first = message.split(" ", 1)[0]
-    return bad_request(message, first if first in type(body).model_fields else None)
+    for i, s in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
+        _check_text(s, "stop" if isinstance(body.stop, str) else f"stop[{i}]", "stop")
+    shaping = {name: getattr(body, name) for name in MODEL_DEFAULT_FIELDS}
+    for name, value in list(shaping.items()):
+        if value is None:
+            if name in defaults:
+                shaping[name] = defaults[name]
+            else:
+                del shaping[name]  # SamplingParams' own default
+    return SamplingParams(
+        n=body.n, max_tokens=max_tokens, logprobs=logprobs, **shaping,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+        include_stop_str_in_output=body.include_stop_str_in_output, ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens)
 
 
 def check_completion_options(body: CompletionRequest) -> None:

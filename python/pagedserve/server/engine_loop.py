@@ -1,4 +1,4 @@
-"""EngineLoop: the one thread that owns the LLMEngine.
+"""EngineLoop: the one thread that owns the engine (an EngineClient).
 
 It loops: apply the commands that arrived (add, abort, snapshot, stop), run
 one engine.step() while anything is unfinished, and hand the step's outputs
@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from pagedserve.errors import RequestError
+from pagedserve.server.engine_client import EngineClient
 from pagedserve.server.engine_commands import (AbortCommand, AddCommand, EngineStepError, EngineUnavailable,
                                                OutputRouter, SnapshotCommand, StepObserver, StopCommand,
                                                WaitingCount)
@@ -48,7 +50,7 @@ class LoopState:
 
 
 class EngineLoop(threading.Thread):
-    def __init__(self, engine, event_loop: asyncio.AbstractEventLoop, router: OutputRouter,
+    def __init__(self, engine: EngineClient, event_loop: asyncio.AbstractEventLoop, router: OutputRouter,
                  waiting: WaitingCount, observer: Optional[StepObserver] = None):
         super().__init__(name="pagedserve-engine-loop", daemon=True)
         self.engine = engine
@@ -58,7 +60,12 @@ class EngineLoop(threading.Thread):
         self._waiting = waiting
         self._observer = observer
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._applied_adds = 0
+        self._applied_seqs = 0
+        # The requests this loop added that have not finished: request id -> samples not yet forked. The
+        # engine counts a request's n samples as one waiting sequence until its prompt is in (they fork
+        # with the first token), so the loop adds the other n - 1 to the waiting count until then.
+        self._live: dict[str, int] = {}
+        self._unforked = 0
 
     def submit(self, command) -> None:
         """Thread-safe and reentrant (SimpleQueue.put), so a signal handler may call it."""
@@ -80,14 +87,15 @@ class EngineLoop(threading.Thread):
         commands = self._take_commands(block=idle)
         for i, command in enumerate(commands):
             if isinstance(command, StopCommand):
-                self._abort(list(self.engine.requests))
+                self._abort(list(self._live))
                 self._refuse(commands[i + 1:])
                 self._publish()
                 return False
             self._apply(command)
-        if self.engine.has_unfinished_requests():
-            self._step()
-        self._publish()
+        step_seconds = self._step() if self.engine.has_unfinished_requests() else None
+        stats = self._publish()
+        if step_seconds is not None and self._observer is not None:
+            self._observer.on_step(step_seconds, stats)
         return True
 
     def _take_commands(self, block: bool) -> list:
@@ -118,33 +126,43 @@ class EngineLoop(threading.Thread):
             raise TypeError(f"unknown engine command {command!r}")
 
     def _add(self, command: AddCommand) -> None:
-        self._applied_adds += 1
+        self._applied_seqs += command.num_seqs
         if command.accepted.cancelled():  # the client left before its request got here
             return
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     arrival_time=command.arrival_time)
-        except (ValueError, TypeError) as err:
+        except RequestError as err:
             self._resolve(command.accepted, err)
             return
+        self._live[command.request_id] = command.num_seqs - 1
+        self._unforked += command.num_seqs - 1
         if self._observer is not None:
             self._observer.on_request_added(command.request_id, len(command.prompt["prompt_token_ids"]))
         self._resolve(command.accepted, None)
 
     def _abort(self, request_ids: list[str]) -> None:
-        finals = []
-        for rid in request_ids:
-            request = self.engine.requests.get(rid)
-            if request is None:
-                continue  # finished or never added
-            self.engine.abort_request(rid)
-            delta = request.take_delta()  # the samples' "abort" finish
-            if delta is not None:
-                finals.append(delta)
+        ids = [rid for rid in request_ids if rid in self._live]  # others finished or were never added
+        if not ids:
+            return
+        for rid in ids:
+            self._forget(rid)
+        finals = self.engine.abort_request(ids)  # the samples' "abort" finishes
         if finals:
             self._to_event_loop(self._router.deliver, finals)
             if self._observer is not None:
                 self._observer.on_outputs(finals)
+
+    def _forget(self, request_id: str) -> None:
+        self._unforked -= self._live.pop(request_id, 0)
+
+    def _track(self, outputs: list) -> None:
+        for out in outputs:
+            if out.finished:
+                self._forget(out.request_id)
+            elif self._live.get(out.request_id):
+                self._unforked -= self._live[out.request_id]
+                self._live[out.request_id] = 0
 
     def _snapshot(self, command: SnapshotCommand) -> None:
         try:
@@ -154,7 +172,8 @@ class EngineLoop(threading.Thread):
             return
         self._resolve(command.done, None, value)
 
-    def _step(self) -> None:
+    def _step(self) -> Optional[float]:
+        """Runs one step; its duration, or None when it failed."""
         start = time.perf_counter()
         try:
             outputs = self.engine.step()
@@ -162,47 +181,51 @@ class EngineLoop(threading.Thread):
             logger.exception("engine.step() failed; aborting the requests in flight")
             self.state.num_step_failures += 1
             self._fail_everything(EngineStepError(f"the engine failed: {type(err).__name__}: {err}"))
-            return
+            return None
         seconds = time.perf_counter() - start
         self.state.num_steps += 1
+        self._track(outputs)
         if outputs:
             self._to_event_loop(self._router.deliver, outputs)
         if self._observer is not None:
             self._observer.on_outputs(outputs)
-            self._observer.on_step(seconds)
+        return seconds
 
-    def _publish(self) -> None:
+    def _publish(self) -> dict:
         stats = self.engine.stats()
         if stats.get("step_num_seqs"):
             self.state.steps.append(StepRecord(time.time(), int(stats["step_prefill_tokens"]),
                                                int(stats["step_decode_tokens"]), int(stats["step_num_seqs"])))
         self.state.stats = stats
-        self._waiting.publish(self._applied_adds, int(stats.get("num_waiting", 0)))
-        self._applied_adds = 0
+        self._waiting.publish(self._applied_seqs, int(stats.get("num_waiting", 0)) + self._unforked)
+        self._applied_seqs = 0
+        return stats
 
     # ------------------------------------------------------------------ failure and shutdown
     def _fail_everything(self, error: BaseException) -> None:
-        ids = list(self.engine.requests)
+        ids = list(self._live)
         for rid in ids:
-            try:
-                self.engine.abort_request(rid)
-            except Exception:
-                logger.exception("could not abort %s after an engine failure", rid)
-        if ids:
-            self._to_event_loop(self._router.fail, ids, error)
-            if self._observer is not None:
-                self._observer.on_requests_dropped(ids)
+            self._forget(rid)
+        if not ids:
+            return
+        try:
+            self.engine.abort_request(ids)  # their outputs are dropped: the callers get `error`
+        except Exception:
+            logger.exception("could not abort %d requests after an engine failure", len(ids))
+        self._to_event_loop(self._router.fail, ids, error)
+        if self._observer is not None:
+            self._observer.on_requests_dropped(ids)
 
     def _refuse_remaining_commands(self) -> None:
         self._refuse(self._take_commands(block=False))
-        self._waiting.publish(self._applied_adds, 0)
-        self._applied_adds = 0
+        self._waiting.publish(self._applied_seqs, 0)
+        self._applied_seqs = 0
 
     def _refuse(self, commands: list) -> None:
         gone = EngineUnavailable("the server is shutting down")
         for command in commands:
             if isinstance(command, AddCommand):
-                self._applied_adds += 1
+                self._applied_seqs += command.num_seqs
                 self._resolve(command.accepted, gone)
             elif isinstance(command, SnapshotCommand):
                 self._resolve(command.done, gone)

@@ -3,14 +3,17 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
 so clients (the official `openai` package included) surface a readable
-message instead of a bare status code. Handlers route APIError, FastAPI's
-validation errors, Starlette's HTTP errors and anything unexpected here.
+message instead of a bare status code. Handlers route APIError, the engine's
+RequestError, FastAPI's validation errors and Starlette's HTTP errors here;
+InternalErrorMiddleware turns anything unexpected into a 500 that names an
+error id and nothing else (the log has the traceback under that id).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from http import HTTPStatus
 from typing import Any, Optional
 
@@ -18,6 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.errors import RequestError
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -28,6 +33,7 @@ _ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -37,6 +43,14 @@ _ERROR_TYPES = {
 
 # Seconds a client should wait before retrying an overloaded or loading server.
 RETRY_AFTER_SECONDS = 1
+
+
+class ErrorResponse(JSONResponse):
+    """A JSON body in plain ASCII: an error message may quote what the client sent, and text
+    that is not valid Unicode (a lone surrogate) must not break the response that rejects it."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class APIError(Exception):
@@ -55,7 +69,7 @@ class APIError(Exception):
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(status: int, message: str, *, param: Optional[str] = None,
@@ -68,12 +82,32 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
     return APIError(400, message, param=param, code=code)
 
 
+def from_request_error(err: RequestError, param: Optional[str] = None) -> APIError:
+    """The 400 for a request the engine's checks refused; `param` renames the field
+    (e.g. the chat API's prompt is its "messages")."""
+    return bad_request(err.message, param or err.field, err.code)
+
+
 def model_not_found(name: str) -> APIError:
     return APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
 
 def service_unavailable(message: str, code: str) -> APIError:
     return APIError(503, message, code=code, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def new_error_id() -> str:
+    return f"err-{uuid.uuid4().hex[:16]}"
+
+
+def internal_error_body(error_id: str) -> dict[str, Any]:
+    """What a 500 tells the client: that it happened and the id the log files it under."""
+    return error_body(500, f"internal server error (error id {error_id}; the server log has the details)",
+                      code="internal_error")
+
+
+def internal_error_response(error_id: str) -> JSONResponse:
+    return ErrorResponse(internal_error_body(error_id), status_code=500)
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, Optional[str]]:
@@ -111,19 +145,48 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, err: APIError) -> JSONResponse:
         return err.response()
 
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, err: RequestError) -> JSONResponse:
+        return from_request_error(err).response()
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(err)
-        return JSONResponse(error_body(400, message, param=param), status_code=400)
+        return ErrorResponse(error_body(400, message, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, err: StarletteHTTPException) -> JSONResponse:
         message = err.detail if isinstance(err.detail, str) else HTTPStatus(err.status_code).phrase
-        return JSONResponse(error_body(err.status_code, message), status_code=err.status_code,
-                            headers=getattr(err, "headers", None))
+        return ErrorResponse(error_body(err.status_code, message), status_code=err.status_code,
+                             headers=getattr(err, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, err: Exception) -> JSONResponse:
-        logger.exception("unhandled error while serving a request")
-        return JSONResponse(error_body(500, f"internal server error: {type(err).__name__}: {err}"),
-                            status_code=500)
+
+class InternalErrorMiddleware:
+    """Innermost ASGI middleware: an exception no handler took becomes a logged 500 naming an error
+    id. Starlette's own handler would re-raise it after answering, so uvicorn would log it twice and
+    drop the keep-alive connection. Once a response has started (a stream), only closing the
+    connection can signal the failure: returning with the response unfinished makes uvicorn do that."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as err:
+            error_id = new_error_id()
+            logger.error("internal error %s while serving %s %s", error_id, scope.get("method"), scope.get("path"),
+                         exc_info=err)
+            if not started:
+                await internal_error_response(error_id)(scope, receive, send)

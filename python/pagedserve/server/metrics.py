@@ -3,7 +3,7 @@ dashboards need only the prefix changed.
 
 Per-request histograms and token counters are fed on the engine loop thread
 (prometheus_client is thread-safe); engine gauges are read at scrape time
-from the stats the loop publishes after every iteration. The registry is
+from the engine's stats() that the loop publishes after every iteration. The registry is
 our own, never the process-global default one.
 """
 
@@ -128,7 +128,7 @@ class ServerMetrics:
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
 
-    def on_step(self, step_seconds: float) -> None:
+    def on_step(self, step_seconds: float, stats: dict) -> None:
         self.step_duration.observe(step_seconds)
 
     def on_requests_dropped(self, request_ids: list[str]) -> None:

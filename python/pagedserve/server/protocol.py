@@ -4,8 +4,11 @@ min_tokens, ignore_eos, stop_token_ids, ...).
 
 Unknown fields are ignored (vLLM does the same), so clients written for newer
 API versions keep working; known fields of the wrong type or out of range
-are 400s. Ranges that SamplingParams already enforces are not repeated here:
-its messages reach the client unchanged.
+are 400s. Types are strict: "max_tokens": "2" or "stream": "yes" is refused,
+not guessed at (an integer is still a valid number). Integers that cross into
+C++ are bounded to int32 here, so they never reach the bindings; ranges that
+SamplingParams already enforces are not repeated: its messages reach the
+client unchanged.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedserve.engine.validation import INT32_MAX
+
 # The OpenAI API caps top_logprobs at 20; the engine's max_logprobs may be lower.
 MAX_TOP_LOGPROBS = 20
 # The seeds a torch.Generator accepts.
@@ -21,7 +26,7 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):
@@ -32,7 +37,7 @@ class SamplingFields(_Body):
     """The fields completions and chat completions share."""
 
     model: Optional[str] = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=INT32_MAX)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     temperature: Optional[float] = None
@@ -44,10 +49,10 @@ class SamplingFields(_Body):
     logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     # Extra sampling fields, as vLLM accepts them.
-    top_k: Optional[int] = None
+    top_k: Optional[int] = Field(None, le=INT32_MAX)
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
@@ -63,11 +68,11 @@ PromptField = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(SamplingFields):
     prompt: PromptField
-    max_tokens: Optional[int] = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0)
+    max_tokens: Optional[int] = Field(16, ge=1, le=INT32_MAX)
+    logprobs: Optional[int] = Field(None, ge=0, le=INT32_MAX)
     echo: bool = False
     suffix: Optional[str] = None
-    best_of: Optional[int] = Field(None, ge=1)
+    best_of: Optional[int] = Field(None, ge=1, le=INT32_MAX)
 
 
 class ChatMessage(_Body):
@@ -82,8 +87,8 @@ class ResponseFormat(_Body):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: Optional[ResponseFormat] = None

@@ -8,8 +8,9 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 
+from pagedserve.engine.validation import check_text, check_token_ids
 from pagedserve.server.context import ServerContext
-from pagedserve.server.engine_inputs import message_dict, require_tokenizer
+from pagedserve.server.engine_inputs import render_chat, require_tokenizer
 from pagedserve.server.engine_state import read_engine_state
 from pagedserve.server.errors import bad_request
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST
@@ -31,7 +32,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
         if ctx.async_engine.failed:
             return JSONResponse({"status": "failed", "error": "the engine loop stopped"}, status_code=503)
-        if not ctx.async_engine.ready or ctx.limits is None:
+        if not ctx.async_engine.ready or ctx.info is None:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -40,7 +41,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.require_ready()
         return JSONResponse({"object": "list", "data": [{
             "id": ctx.served_model_name, "object": "model", "created": int(ctx.started_at),
-            "owned_by": "pagedserve", "root": ctx.model_dir, "parent": None,
+            "owned_by": "pagedserve", "root": ctx.served_model_name, "parent": None,
             "max_model_len": ctx.limits.max_model_len}]})
 
     @router.post("/v1/completions")
@@ -59,10 +60,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         ctx.require_ready()
         ctx.check_model(body.model)
-        vocab = ctx.limits.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        check_token_ids(body.tokens, ctx.limits.vocab_size, "tokens")  # a RequestError is a 400 (errors.py)
         require_tokenizer(ctx.tokenizer, "/detokenize")
         return JSONResponse({"prompt": ctx.tokenizer.decode(body.tokens)})
 
@@ -76,7 +74,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
         ctx.require_ready()
         state = await ctx.async_engine.read(read_engine_state)
         state.update(model=ctx.served_model_name, device=ctx.device, max_model_len=ctx.limits.max_model_len,
-                     num_waiting_total=ctx.async_engine.num_waiting,
+                     default_sampling=ctx.default_sampling, num_waiting_total=ctx.async_engine.num_waiting,
                      max_num_waiting=ctx.async_engine.max_num_waiting, uptime_s=time.time() - ctx.started_at)
         return JSONResponse(state)
 
@@ -88,7 +86,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 
 def _tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict:
-    from pagedserve.tokenizer import apply_chat_template, encode_prompt
+    from pagedserve.engine.tokenizer import encode_prompt
 
     ctx.require_ready()
     ctx.check_model(body.model)
@@ -96,13 +94,10 @@ def _tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("send exactly one of 'prompt' and 'messages'")
     if body.prompt is not None:
+        check_text(body.prompt, "prompt")
         ids = encode_prompt(ctx.tokenizer, body.prompt) if body.add_special_tokens else \
             list(ctx.tokenizer.encode(body.prompt, add_special_tokens=False))
     else:
-        messages = [message_dict(m, i) for i, m in enumerate(body.messages)]
-        try:
-            ids = apply_chat_template(ctx.tokenizer, messages, add_generation_prompt=body.add_generation_prompt)
-        except ValueError as err:
-            raise bad_request(str(err), "messages") from err
+        ids = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt)
     return {"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids,
             "token_strs": ctx.tokenizer.convert_ids_to_tokens(ids)}

@@ -13,13 +13,13 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.server.async_engine import EngineStepError, OutputStream
 from pagedserve.server.context import ServerContext
-from pagedserve.server.engine_inputs import (chat_logprobs, chat_prompt, check_chat_options, check_token_ids,
-                                             resolve_max_tokens, sampling_params)
+from pagedserve.server.engine_inputs import (chat_logprobs, chat_prompt, check_chat_options, check_prompts,
+                                             sampling_params)
 from pagedserve.server.errors import error_body
 from pagedserve.server.logprobs import chat_logprobs as chat_logprob_content
 from pagedserve.server.protocol import ChatCompletionRequest
-from pagedserve.server.serving_common import (Usage, aborted_by_shutdown, client_gone, engine_failure_response,
-                                              finish_fields)
+from pagedserve.server.serving_common import (Usage, aborted_by_shutdown, client_gone, engine_failure_event,
+                                              engine_failure_response, finish_fields)
 from pagedserve.server.streaming import DONE, sse, sse_response, until_disconnected
 
 ASSISTANT = "assistant"
@@ -31,14 +31,13 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     ctx.check_model(body.model)
     check_chat_options(body)
     prompt = chat_prompt(body, ctx.tokenizer)
-    check_token_ids([prompt], ctx.limits)
-    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_tokens = resolve_max_tokens(requested, [len(prompt["prompt_token_ids"])], ctx.limits, "messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = chat_logprobs(body)
-    params = sampling_params(body, max_tokens, logprobs, ctx.limits)
+    params = sampling_params(body, max_tokens, logprobs, ctx.default_sampling)
+    check_prompts([prompt], params, ctx.limits, "messages")
     call = _ChatCompletion(ctx, body, prompt, f"chatcmpl-{uuid.uuid4().hex}", logprobs)
     if body.stream:
-        stream = await ctx.generate([prompt], params, call.id, arrival)
+        stream = await ctx.generate([prompt], params, call.id, arrival, "messages")
         return sse_response(call.events(stream))
     result = await until_disconnected(request, call.collect(params, arrival))
     return client_gone() if result is None else result
@@ -73,9 +72,9 @@ class _ChatCompletion:
                                                "logprobs": None, "finish_reason": None}
                                               for i in range(self.body.n)]))
             async for _, out in stream:
+                self.usage.add(0, out)
                 content, finished = [], []
                 for c in out.outputs:
-                    self.usage.completion_tokens += len(c.token_ids)
                     logprobs = self._logprobs(c)
                     if c.text or logprobs:
                         content.append({"index": c.index, "delta": {"content": c.text},
@@ -89,28 +88,28 @@ class _ChatCompletion:
             if self.body.include_usage:
                 yield sse({**self._envelope(chunk, []), "usage": self.usage.as_dict()})
         except EngineStepError as err:
-            yield sse(error_body(500, str(err)))
+            yield sse(engine_failure_event(self.id, err))
         finally:
             stream.close()
         yield DONE
 
     # ------------------------------------------------------------------ one response
     async def collect(self, params, arrival: float) -> Response:
-        stream = await self.ctx.generate([self.prompt], params, self.id, arrival)
+        stream = await self.ctx.generate([self.prompt], params, self.id, arrival, "messages")
         n = self.body.n
         texts = [""] * n
         logprobs: list[list[dict]] = [[] for _ in range(n)]
         finals: list[dict] = [{} for _ in range(n)]
         try:
             async for _, out in stream:
+                self.usage.add(0, out)
                 for c in out.outputs:
-                    self.usage.completion_tokens += len(c.token_ids)
                     texts[c.index] += c.text
                     logprobs[c.index] += self._logprobs(c) or []
                     if c.finish_reason:
                         finals[c.index] = finish_fields(c)
         except EngineStepError as err:
-            return engine_failure_response(err)
+            return engine_failure_response(self.id, err)
         finally:
             stream.close()
         if aborted_by_shutdown(self.ctx, finals):

@@ -3,23 +3,36 @@ responses for a client that left or an engine that failed."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.server.context import ServerContext
-from pagedserve.server.errors import error_body
+from pagedserve.server.errors import internal_error_body, internal_error_response, new_error_id
 from pagedserve.server.streaming import CLIENT_CLOSED_REQUEST
+
+logger = logging.getLogger("pagedserve.server")
 
 
 @dataclass
 class Usage:
     prompt_tokens: int
     completion_tokens: int = 0
+    # Prompt tokens the prefix cache held, per prompt of the call (RequestOutput.num_cached_tokens).
+    cached_by_prompt: dict[int, int] = field(default_factory=dict)
+
+    def add(self, prompt_index: int, out) -> None:
+        """Counts one RequestOutput delta of the call's prompt `prompt_index`."""
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        cached = getattr(out, "num_cached_tokens", 0) or 0
+        if cached > self.cached_by_prompt.get(prompt_index, 0):
+            self.cached_by_prompt[prompt_index] = cached
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_by_prompt.values())}}
 
 
 def finish_fields(c) -> dict:
@@ -35,5 +48,17 @@ def client_gone() -> Response:
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
-def engine_failure_response(err: Exception) -> JSONResponse:
-    return JSONResponse(error_body(500, str(err)), status_code=500)
+def _log_failure(call_id: str, err: Exception) -> str:
+    error_id = new_error_id()
+    # The engine loop logged the traceback when the step failed; this ties the call to it.
+    logger.error("%s failed (error id %s): %s", call_id, error_id, err)
+    return error_id
+
+
+def engine_failure_response(call_id: str, err: Exception) -> JSONResponse:
+    return internal_error_response(_log_failure(call_id, err))
+
+
+def engine_failure_event(call_id: str, err: Exception) -> dict:
+    """The error event a stream ends with when the engine failed under it."""
+    return internal_error_body(_log_failure(call_id, err))

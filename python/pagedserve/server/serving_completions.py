@@ -15,13 +15,13 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedserve.server.async_engine import EngineStepError, OutputStream
 from pagedserve.server.context import ServerContext
-from pagedserve.server.engine_inputs import (check_completion_options, check_token_ids, completion_prompts,
-                                             resolve_max_tokens, sampling_params)
+from pagedserve.server.engine_inputs import (check_completion_options, check_prompts, completion_prompts,
+                                             sampling_params)
 from pagedserve.server.errors import error_body
 from pagedserve.server.logprobs import CompletionLogprobs, merge_completion_logprobs
 from pagedserve.server.protocol import CompletionRequest
-from pagedserve.server.serving_common import (Usage, aborted_by_shutdown, client_gone, engine_failure_response,
-                                              finish_fields)
+from pagedserve.server.serving_common import (Usage, aborted_by_shutdown, client_gone, engine_failure_event,
+                                              engine_failure_response, finish_fields)
 from pagedserve.server.streaming import DONE, sse, sse_response, until_disconnected
 
 
@@ -31,10 +31,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, request
     ctx.check_model(body.model)
     check_completion_options(body)
     prompts = completion_prompts(body, ctx.tokenizer)
-    check_token_ids(prompts, ctx.limits)
-    lengths = [len(p["prompt_token_ids"]) for p in prompts]
-    max_tokens = resolve_max_tokens(body.max_tokens, lengths, ctx.limits, "prompt")
-    params = sampling_params(body, max_tokens, body.logprobs, ctx.limits)
+    params = sampling_params(body, body.max_tokens, body.logprobs, ctx.default_sampling)
+    check_prompts(prompts, params, ctx.limits)
     call = _Completion(ctx, body, prompts, f"cmpl-{uuid.uuid4().hex}")
     if body.stream:
         stream = await ctx.generate(prompts, params, call.id, arrival)
@@ -67,7 +65,6 @@ class _Completion:
 
     def _choice_delta(self, prompt_index: int, c) -> tuple[int, Optional[dict]]:
         index = prompt_index * self.body.n + c.index
-        self.usage.completion_tokens += len(c.token_ids)
         builder = self.logprobs[index]
         logprobs = builder.delta(c.token_ids, c.logprobs) if builder is not None else None
         return index, logprobs
@@ -79,6 +76,7 @@ class _Completion:
                 yield sse(self._envelope([{"index": i, "text": t, "logprobs": None, "finish_reason": None}
                                           for i, t in enumerate(self.echo)]))
             async for prompt_index, out in stream:
+                self.usage.add(prompt_index, out)
                 choices = []
                 for c in out.outputs:
                     index, logprobs = self._choice_delta(prompt_index, c)
@@ -90,7 +88,7 @@ class _Completion:
             if self.body.include_usage:
                 yield sse({**self._envelope([]), "usage": self.usage.as_dict()})
         except EngineStepError as err:
-            yield sse(error_body(500, str(err)))
+            yield sse(engine_failure_event(self.id, err))
         finally:
             stream.close()
         yield DONE
@@ -104,6 +102,7 @@ class _Completion:
         finals: list[dict] = [{} for _ in range(num_choices)]
         try:
             async for prompt_index, out in stream:
+                self.usage.add(prompt_index, out)
                 for c in out.outputs:
                     index, logprobs = self._choice_delta(prompt_index, c)
                     texts[index] += c.text
@@ -112,7 +111,7 @@ class _Completion:
                     if c.finish_reason:
                         finals[index] = finish_fields(c)
         except EngineStepError as err:
-            return engine_failure_response(err)
+            return engine_failure_response(self.id, err)
         finally:
             stream.close()
         if aborted_by_shutdown(self.ctx, finals):
