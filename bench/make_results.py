@@ -1,8 +1,9 @@
 """Renders bench/results/RESULTS.md from the JSON results under bench/results/ and
-its subfolders (e.g. h200/): the headline throughput table and a combined plot
-per device, then one section per benchmark, GPU figures apart from CPU ones and
-from the exact (model-free) figures, each with the machine, versions and date
-its JSON recorded, the markdown its script wrote, and its PNG if there is one.
+its per-machine subfolders (e.g. h200/), raw/ folders left out: the headline
+throughput table and a combined plot per device, then one section per benchmark,
+GPU figures apart from CPU ones and from the exact (model-free) figures, each
+with the machine, versions (pagedserve and its commit, torch, transformers) and
+date its JSON recorded, the markdown its script wrote, and its PNG if there is one.
 RESULTS.md is generated: edit the scripts or rerun them, never the file.
 
     python bench/make_results.py                    # bench/results/RESULTS.md
@@ -20,7 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import RESULTS_DIR, markdown_table  # noqa: E402
+from common.plots import ENGINES, draw_throughput, pyplot  # noqa: E402
+from common.report import RAW, RESULTS_DIR, header_line, markdown_table  # noqa: E402
 
 # (section title, file-name patterns), in the order RESULTS.md shows them.
 SECTIONS = [
@@ -31,14 +33,16 @@ SECTIONS = [
                "demo_parallel_sampling*", "demo_preemption*", "demo_*"]),
     ("Serving: OpenAI API under Poisson arrivals", ["serve*"]),
     ("Decode step: host vs device time", ["step_timing*"]),
-    ("Kernels and CPU ops", ["kernel_bench*", "cpu_ops*", "cpu_dtype*", "bench_sampler*"]),
+    ("Kernels and CPU ops", ["kernel_bench*", "cpu_ops*", "cpu_dtype*", "sampler_*"]),
     ("Scheduler step cost", ["scheduler*"]),
+    ("Numerics: bf16 against transformers and torch SDPA", ["bf16_agreement*", "sdpa_numerics*", "softmax_numerics*",
+                                                           "norm_numerics*"]),
+    ("GPU tests and compute-sanitizer", ["gpu_tests*"]),
 ]
 EXACT = ["memory*", "demo_block_table*"]  # no model runs: the same figures on any machine
 GROUPS = [("gpu", "GPU figures"), ("cpu", "CPU figures"),
           ("exact", "Exact figures (scheduler and arithmetic only, no model: the same on any machine)")]
 BODY_LEVEL = 4  # a result's own headings sit under "## group" and "### section"
-ENGINES = ("pagedserve", "transformers-static-batch", "transformers-sequential")
 
 
 class Result:
@@ -68,31 +72,17 @@ class Result:
             declared = d["rows"][0].get("device")
         if declared:
             return "gpu" if str(declared).startswith("cuda") else "cpu"
-        env = d.get("machine") or d.get("environment") or {}
-        return "gpu" if env.get("gpu") or "NVIDIA" in str(env.get("device", "")) else "cpu"
+        return "gpu" if (d.get("machine") or {}).get("gpu") else "cpu"
 
     def group(self) -> str:
         return "exact" if self.matches(EXACT) else self.device()
 
     def machine_line(self) -> str:
-        m = self.data.get("machine")
-        if m:
-            parts = [m.get("gpu"), m.get("processor"), f"{m.get('cpu_count')} CPUs", f"torch {m.get('torch', '-')}",
-                     f"Python {m.get('python', '-')}", m.get("date")]
-            if "load_average_1m" in m:
-                parts.append(f"load average {m['load_average_1m']} at the end")
-        elif "environment" in self.data:
-            e = self.data["environment"]
-            parts = [e.get("device"), f"torch {e.get('torch', '-')}", f"CUDA {e.get('cuda', '-')}", e.get("date")]
-        else:
-            d = self.data
-            parts = [d.get("cpu"), f"torch {d.get('torch', '-')}", f"{d.get('threads', '?')} threads",
-                     "date not recorded"]
-        return " · ".join(str(p) for p in parts if p)
+        return header_line(self.data.get("machine") or {}, self.data.get("versions") or {})
 
 
 def load_results(root: Path) -> list[Result]:
-    paths = sorted(root.glob("*.json")) + sorted(root.glob("*/*.json"))
+    paths = sorted(root.glob("*.json")) + sorted(p for p in root.glob("*/*.json") if p.parent.name != RAW)
     return [Result(p, root) for p in paths]
 
 
@@ -161,22 +151,11 @@ def _peak(row: dict) -> str | None:
 
 
 def combined_plot(results: list[Result], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.5), squeeze=False)
     for ax, r in zip(axes[0], results):
-        for engine in ENGINES:
-            pts = sorted((row["concurrency"], row["output_tok_s"]) for row in r.data["rows"] if row["engine"] == engine)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=engine)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel("output tokens / s")
-        ax.set_title(f"{r.data.get('model')} ({r.data.get('dtype')}), {r.data.get('output_len')} output tokens")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        draw_throughput(ax, r.data["rows"],
+                        f"{r.data.get('model')} ({r.data.get('dtype')}), {r.data.get('output_len')} output tokens")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -188,7 +167,7 @@ def headline(results: list[Result], out_dir: Path, plots: bool) -> list[str]:
              "24-token prompts, all requests submitted at once; transformers one request at a time (measured on a "
              "sample: its rate does not depend on concurrency) and in static padded batches, in the same script. "
              "pagedserve's peak GPU memory holds its whole KV pool, sized up front; the KV it actually held is "
-             "beside it. `bench/throughput.py`.")
+             "beside it. `bench/perf/throughput.py`.")
     lines = ["## Headline: output throughput vs concurrency", "", intro, ""]
     by_dir = defaultdict(list)
     for r in results:
@@ -207,8 +186,9 @@ def headline(results: list[Result], out_dir: Path, plots: bool) -> list[str]:
 
 def render(results: list[Result], out_dir: Path, plots: bool = True) -> str:
     note = ("_Generated by `python bench/make_results.py` from the JSON files under `bench/results/`; do not edit "
-            "by hand. Every figure comes from a script in `bench/` (`--help` on each); baselines run in the same "
-            "script, so ratios hold on noisy machines._")
+            "by hand. Every figure comes from a script in `bench/perf/`, `bench/demos/` or `bench/numerics/` "
+            "(`--help` on each); baselines run in the same script, so ratios hold on noisy machines. Raw sweeps "
+            "and logs stay out of git (`raw/`)._")
     lines = ["# pagedserve benchmark results", "", note, ""]
     lines += headline(results, out_dir, plots)
     placed: set[str] = set()
@@ -226,9 +206,6 @@ def render(results: list[Result], out_dir: Path, plots: bool = True) -> str:
             for r in chosen:
                 placed.add(r.rel)
                 lines += [render_result(r, out_dir), ""]
-    logs = sorted(p for p in out_dir.glob("*/*.log"))
-    if logs:
-        lines += ["## Logs", ""] + [f"- [`{link(p, out_dir)}`]({link(p, out_dir)})" for p in logs] + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 

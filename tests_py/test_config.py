@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from pagedserve.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from pagedserve.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64, "rope_theta": 500000.0}

@@ -3,18 +3,12 @@
 Skipped where no GPU (or no CUDA build) is present; scripts/gpu_check.sh runs it.
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams, _core
-
-# The agreement check shares its prompts and helpers with its diagnosis script.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from agreement_prompts import agreement_prompts  # noqa: E402
-from bf16_agreement import first_step_logits, hf_greedy  # noqa: E402
+# The agreement check shares its prompts and helpers with its diagnosis script (bench/numerics/bf16_agreement.py).
+from pagedserve.testing.agreement import agreement_prompts, first_step_logits, hf_greedy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -82,7 +76,7 @@ def _compare_with_transformers(llm, hf, hf32, smollm2_prompts):
     want = hf_greedy(hf, smollm2_prompts)[0]  # N_TOKENS (16) each
     # transformers generates one prompt at a time; so do we, for the same matrix shapes (cuBLAS picks
     # its kernels, and so its summation order, by shape). Our attention and norms round as
-    # transformers' do (bench/bf16_agreement.py), so the text should agree wherever that holds.
+    # transformers' do (bench/numerics/bf16_agreement.py), so the text should agree wherever that holds.
     alone = [token_ids(llm.generate([{"prompt_token_ids": p}], greedy(16), use_tqdm=False))[0]
              for p in smollm2_prompts]
     batched = token_ids(llm.generate([{"prompt_token_ids": p} for p in smollm2_prompts], greedy(16), use_tqdm=False))

@@ -187,3 +187,26 @@ def test_cli_chat_answers_and_keeps_the_conversation(default_model_path):
     assert len(answers) == 2, result.stdout
     assert "Paris" in answers[0]
     assert "/exit" in result.stderr or "quits" in result.stderr  # the banner explains how to leave
+
+
+def test_generate_and_chat_without_params_use_the_model_defaults(llm, monkeypatch):
+    engine = llm.llm_engine
+    seen = []
+    add_request = engine.add_request
+
+    def spy(request_id, prompt, params=None, **kwargs):
+        seen.append(params)
+        return add_request(request_id, prompt, params, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", spy)
+    llm.generate("Hi", use_tqdm=False)
+    llm.chat([{"role": "user", "content": "Hi"}], use_tqdm=False)
+    defaults = engine.info().default_sampling
+    assert defaults  # DEFAULT_SAMPLING under the model's generation_config.json
+    for params in seen:
+        assert {k: getattr(params, k) for k in defaults} == defaults
+
+
+def test_llm_rejects_an_unknown_option_by_name():
+    with pytest.raises(TypeError, match="max_num_sequence"):
+        LLM(max_num_sequence=4)

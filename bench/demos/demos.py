@@ -1,16 +1,16 @@
 """Demos of what paging and continuous batching buy, one subcommand each; every
 one prints a table or picture and saves JSON + markdown (bench/results/demo_*).
 
-    python bench/demos.py waste               # static batch: decode steps needed vs spent
-    python bench/demos.py latency             # completion times, static vs continuous, at most 4 running
-    python bench/demos.py block-table         # block tables and a map of the pool (no model)
-    python bench/demos.py prefix-sharing      # shared system prompt: hit rate, blocks saved, TTFT
-    python bench/demos.py parallel-sampling   # n = 4: fork + copy-on-write vs four requests
-    python bench/demos.py preemption          # a small KV pool: preemptions, same greedy outputs
-    python bench/demos.py all --quick         # every demo at tiny sizes (CI)
+    python bench/demos/demos.py waste               # static batch: decode steps needed vs spent
+    python bench/demos/demos.py latency             # completion times, static vs continuous, at most 4 running
+    python bench/demos/demos.py block-table         # block tables and a map of the pool (no model)
+    python bench/demos/demos.py prefix-sharing      # shared system prompt: hit rate, blocks saved, TTFT
+    python bench/demos/demos.py parallel-sampling   # n = 4: fork + copy-on-write vs four requests
+    python bench/demos/demos.py preemption          # a small KV pool: preemptions, same greedy outputs
+    python bench/demos/demos.py all --quick         # every demo at tiny sizes (CI)
 
 Engine demos take --device / --model / --shape / --dtype (default: SmolLM2-135M-Instruct,
-float32 on CPU, bfloat16 on CUDA); `python bench/demos.py NAME --help` lists each one's options.
+float32 on CPU, bfloat16 on CUDA); `python bench/demos/demos.py NAME --help` lists each one's options.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _demos import block_table, latency, parallel_sampling, preemption, prefix_sharing, waste  # noqa: E402
-from _report import save  # noqa: E402
+from common.report import save  # noqa: E402
 
 DEMOS = {"waste": waste, "latency": latency, "block-table": block_table, "prefix-sharing": prefix_sharing,
          "parallel-sampling": parallel_sampling, "preemption": preemption}

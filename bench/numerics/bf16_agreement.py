@@ -1,6 +1,6 @@
 """Why greedy bf16 text differs from transformers bf16 on the same GPU, measured.
 
-For the 32 prompts of the GPU agreement test (bench/agreement_prompts.py),
+For the 32 prompts of the GPU agreement test (pagedserve.testing.agreement),
 16 greedy tokens each, transformers bf16 (sdpa) one prompt at a time is the
 reference. Reported side by side:
   - transformers against itself: float32, and bf16 with eager attention (the noise floor);
@@ -14,37 +14,21 @@ reference. Reported side by side:
     MLP): where the two computations first differ in a single bit;
   - the SDPA backend torch picks for transformers' prefill and decode shapes.
 
-    python bench/bf16_agreement.py [--out DIR]      (needs a CUDA GPU and the CUDA build)
+    python bench/numerics/bf16_agreement.py [--out DIR]      (needs a CUDA GPU and the CUDA build)
+    python bench/numerics/bf16_agreement.py --quick          # the first 8 prompts, the first 2 layers probed
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, save  # noqa: E402
-from agreement_prompts import agreement_prompts  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import arg_parser, markdown_table, require_cuda, save  # noqa: E402
 
-N_TOKENS = 16
-
-
-def hf_greedy(model, prompts, scores=False):
-    """Greedy continuations one prompt at a time; with scores, also each step's logits."""
-    outs, all_scores = [], []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            res = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N_TOKENS,
-                                 min_new_tokens=N_TOKENS, do_sample=False, pad_token_id=0,
-                                 output_scores=scores, return_dict_in_generate=True)
-            outs.append(res.sequences[0, len(p):].tolist())
-            if scores:
-                all_scores.append([s[0].float().cpu() for s in res.scores])
-    return outs, all_scores
+from pagedserve.testing.agreement import N_TOKENS, agreement_prompts, first_step_logits, hf_greedy  # noqa: E402
 
 
 def first_difference(a, b):
@@ -58,7 +42,7 @@ def compare(name, ours, want, scores):
         if step is not None:
             top2 = scores[i][step].topk(2).values
             diverging.append({"prompt": i, "step": step, "hf_top2_gap": round(float(top2[0] - top2[1]), 4)})
-    return {"variant": name, "agree": 32 - len(diverging), "diverging": diverging}
+    return {"variant": name, "agree": len(want) - len(diverging), "diverging": diverging}
 
 
 def ours_greedy(llm, prompts, one_at_a_time):
@@ -70,16 +54,6 @@ def ours_greedy(llm, prompts, one_at_a_time):
         res = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         outs += [r.outputs[0].token_ids for r in res]
     return outs
-
-
-def first_step_logits(llm, prompt):
-    worker = llm.llm_engine.worker
-    seq = worker.scheduler.add_sequence(prompt, max_tokens=1)
-    step = worker.scheduler.schedule()
-    logits = worker.runner.compute_logits(step)[0].float()
-    worker.scheduler.update([0])
-    assert worker.scheduler.sequence(seq) is None
-    return logits
 
 
 def capture(modules: dict, pre: set):
@@ -162,16 +136,16 @@ def sdpa_choices(cfg, prompt_len):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None)
+    ap = arg_parser(__doc__, "the first 8 prompts; probe at most 2 layers")
     args = ap.parse_args()
+    require_cuda(__file__)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pagedserve import LLM
-    from pagedserve.default_model import default_model_dir
+    from pagedserve.models.default_model import default_model_dir
 
     path = default_model_dir()
-    prompts = agreement_prompts(AutoTokenizer.from_pretrained(path))
+    prompts = agreement_prompts(AutoTokenizer.from_pretrained(path))[:8 if args.quick else None]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     want, scores = hf_greedy(hf, prompts, scores=True)
     variants = []
@@ -182,7 +156,8 @@ def main() -> None:
         variants.append(compare(name, hf_greedy(other, prompts)[0], want, scores))
         del other
     llm = LLM(str(path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.4)
-    variants.append(compare("pagedserve bf16, 32 prompts batched", ours_greedy(llm, prompts, False), want, scores))
+    variants.append(compare(f"pagedserve bf16, {len(prompts)} prompts batched", ours_greedy(llm, prompts, False),
+                            want, scores))
     variants.append(compare("pagedserve bf16, one prompt at a time", ours_greedy(llm, prompts, True), want, scores))
     llm.shutdown()
     # transformers' shapes exactly: a prefill of the whole prompt (no cached prefix), then M = 1 decodes.
@@ -203,7 +178,7 @@ def main() -> None:
     # differs in the first layer that differs is where the computations part.
     probe_prompt = 0 if first_inexact is None else first_inexact
     probe_layer, probe = None, []
-    for index in range(len(hf.model.layers)):
+    for index in range(min(2, len(hf.model.layers)) if args.quick else len(hf.model.layers)):
         rows = layer_probe(alone, hf, prompts[probe_prompt], index)
         if any(r["bitwise_equal"] != r["elements"] for r in rows if "," not in r["piece"]):
             probe_layer, probe = index, rows
@@ -219,17 +194,19 @@ def main() -> None:
     table = markdown_table([{**v, "diverging (prompt@step: hf top-2 gap)": ", ".join(
         f"{d['prompt']}@{d['step']}: {d['hf_top2_gap']}" for d in v["diverging"])} for v in variants],
         ["variant", "agree", "diverging (prompt@step: hf top-2 gap)"])
-    text = (f"# bf16 greedy agreement with transformers bf16 (sdpa), {N_TOKENS} tokens, 32 prompts\n\n{table}\n\n"
-            f"First-step logits bit-identical to transformers: {exact}/32 prompts (max abs diff {max_diff:.3g}).\n\n"
+    text = (f"# bf16 greedy agreement with transformers bf16 (sdpa), {N_TOKENS} tokens, {len(prompts)} prompts\n\n"
+            f"{table}\n\nFirst-step logits bit-identical to transformers: {exact}/{len(prompts)} prompts "
+            f"(max abs diff {max_diff:.3g}).\n\n"
             f"SDPA backend transformers gets: {sdpa}\n\n" + (
                 f"## Layer {probe_layer}, prompt {probe_prompt} (prefill, {len(prompts[probe_prompt])} tokens): "
                 "the first layer that differs\n\n"
                 + markdown_table(probe, ["piece", "elements", "bitwise_equal", "max_abs_diff"])
                 if probe else f"Every sub-layer of every layer is bit-identical on prompt {probe_prompt}."))
     print(text)
-    save("bf16_agreement", {"variants": variants, "first_step_exact": exact, "first_step_max_abs_diff": max_diff,
-                            "probe": {"prompt": probe_prompt, "layer": probe_layer, "pieces": probe},
-                            "sdpa_backends": sdpa}, text, args.out)
+    save("bf16_agreement" + ("_quick" if args.quick else ""),
+         {"variants": variants, "first_step_exact": exact, "first_step_max_abs_diff": max_diff,
+          "probe": {"prompt": probe_prompt, "layer": probe_layer, "pieces": probe}, "sdpa_backends": sdpa},
+         text, args.out)
 
 
 if __name__ == "__main__":

@@ -7,19 +7,19 @@ as the GPU does) for the [T, H] shapes of decoder models and counts the rows
 whose mean equals torch's exactly. The order at 100% is the one the CUDA norm
 kernel must follow (cuda/norm_kernels.cu, TorchRowOrder).
 
-    python bench/norm_numerics.py [--out DIR]     (CUDA GPU)
+    python bench/numerics/norm_numerics.py [--out DIR]     (CUDA GPU)
+    python bench/numerics/norm_numerics.py --quick         # one hidden size, two row counts
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, save  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import arg_parser, markdown_table, require_cuda, save  # noqa: E402
 
 
 def last_pow2(n: int) -> int:
@@ -65,13 +65,13 @@ def emulate(squares: torch.Tensor, width: int, warp_up: bool, lanes: int = 4) ->
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None)
+    ap = arg_parser(__doc__, "hidden 576 only, 1 and 16 rows")
     args = ap.parse_args()
+    require_cuda(__file__, build=False)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows_out = []
-    for hidden in (576, 1024, 2048, 4096):
-        for t in (1, 3, 10, 16, 40, 300):
+    for hidden in (576,) if args.quick else (576, 1024, 2048, 4096):
+        for t in (1, 16) if args.quick else (1, 3, 10, 16, 40, 300):
             trials = max(1, 400 // t)
             x = (torch.randn(trials, t, hidden, device="cuda", generator=gen) * 3).to(torch.bfloat16).float()
             want = torch.stack([x[i].pow(2).mean(-1) for i in range(trials)])  # torch, shape [t, hidden] each
@@ -89,7 +89,7 @@ def main() -> None:
     columns = sorted({c for r in rows_out for c in r}, key=lambda c: (c[0] != "h", c[0] != "r", c))
     text = "# Rows whose emulated mean of squares equals torch's, by order\n\n" + markdown_table(rows_out, columns)
     print(text)
-    save("norm_numerics", {"rows": rows_out}, text, args.out)
+    save("norm_numerics" + ("_quick" if args.quick else ""), {"rows": rows_out}, text, args.out)
 
 
 if __name__ == "__main__":

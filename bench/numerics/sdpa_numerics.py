@@ -9,22 +9,23 @@ scaled_dot_product_attention (whatever backend torch picks: printed), for
 causal prefills and single-query decodes of several lengths; our own CUDA
 kernel is measured the same way. The candidate at ~100% is the tiling to copy.
 
-    python bench/sdpa_numerics.py [--out DIR]     (CUDA GPU + CUDA build)
+    python bench/numerics/sdpa_numerics.py [--out DIR]     (CUDA GPU + CUDA build)
+    python bench/numerics/sdpa_numerics.py --quick         # one prefill and one decode length
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, save  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import arg_parser, markdown_table, require_cuda, save  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M
+LENGTHS = (("prefill", (40, 64, 100, 130, 200, 300)), ("decode", (40, 100, 130, 200, 300, 600)))
 LOG2E = 1.4426950408889634
 
 
@@ -85,17 +86,17 @@ def ours(q, k, v, scale, causal):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=None)
+    ap = arg_parser(__doc__, "one prefill and one decode length")
     args = ap.parse_args()
+    require_cuda(__file__)
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = DIM ** -0.5
     candidates = [(t, o, e) for t in (16, 32, 64, 128, 256, 100000) for o in ("forward", "reverse")
                   for e in ("log2", "natural")]
     rows = []
-    for kind, lengths in (("prefill", (40, 64, 100, 130, 200, 300)), ("decode", (40, 100, 130, 200, 300, 600))):
-        for length in lengths:
+    for kind, lengths in LENGTHS:
+        for length in lengths[:1] if args.quick else lengths:
             lq = length if kind == "prefill" else 1
             q = (torch.randn(HEADS, lq, DIM, device="cuda", generator=gen) * 2).to(torch.bfloat16)
             k = (torch.randn(KV_HEADS, length, DIM, device="cuda", generator=gen) * 2).to(torch.bfloat16)
@@ -125,7 +126,8 @@ def main() -> None:
     text = (f"# Fraction of bf16 attention outputs equal to torch SDPA ({backend}), by emulated tiling\n\n"
             f"Columns: key tile / order (f, r) / exponent form. Best: {best}\n\n" + markdown_table(rows, columns))
     print(text)
-    save("sdpa_numerics", {"rows": rows, "backend": backend, "best": best}, text, args.out)
+    save("sdpa_numerics" + ("_quick" if args.quick else ""), {"rows": rows, "backend": backend, "best": best}, text,
+         args.out)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Which in-tile softmax arithmetic reproduces torch's bf16 SDPA bit for bit? (a measurement)
 
-bench/sdpa_numerics.py found the tiling (128-key tiles for prefill); with it
+bench/numerics/sdpa_numerics.py found the tiling (128-key tiles for prefill); with it
 our kernel still differs from cuDNN in about 1e-4 of the outputs, and those
 rare flips decide some bf16 near-ties in greedy text. This script builds
-bench/softmax_variants.cu (flash attention on the same mma.sync fragments as
+bench/numerics/softmax_variants.cu (flash attention on the same mma.sync fragments as
 our kernel, with the exponent form, the row-sum order, the quad reduction
 order, the final normalization, the key tile and the way the row sum carries
 across tiles switchable at run time) and counts the output elements that
@@ -11,12 +11,15 @@ differ from SDPA: first every in-tile combination on causal prompts up to 128
 tokens (one tile), then the best one across tiles for longer prompts and for
 single-query decodes. Our CUDA kernel is measured the same way.
 
-    python bench/softmax_numerics.py [--samples N] [--out DIR]   (CUDA GPU, nvcc)
+    python bench/numerics/softmax_numerics.py [--samples N] [--out DIR]   (CUDA GPU, nvcc)
+    python bench/numerics/softmax_numerics.py --quick      # 2 prompts, 2 lengths, 2 tiling cases
+
+Saves the headline (per-length counts, the 5 best combinations, the tiling table)
+as softmax_numerics.{json,md}; every combination's count goes to raw/softmax_numerics.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import itertools
 import subprocess
@@ -26,17 +29,20 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, save  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import arg_parser, markdown_table, require_cuda, save, save_raw  # noqa: E402
 from sdpa_numerics import DIM, HEADS, KV_HEADS, ours  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXP = ["prescaled-log2", "prescaled-log2-approx", "fma-log2", "natural-expf", "natural-fast-exp",
        "shift-then-scale", "shift-then-scale-approx"]
 SUM = ["pair-then-sequential", "sequential", "sequential-rounded-p", "tensor-core"]
 QUAD = ["xor1-then-2", "xor2-then-1"]
 NORM = ["mul-reciprocal", "divide", "mul-approx-reciprocal", "fast-divide"]
 LENGTHS = (9, 14, 20, 33, 50, 64, 90, 128)
+TILING_CASES = [("prefill", n, n) for n in (130, 200, 256, 300, 500)] + \
+    [("decode", 1, n) for n in (20, 50, 64, 100, 130, 200, 256, 300, 600)]
+HEADLINE_COMBINATIONS = 5  # of the ranked list, in the committed JSON
 OURS_BEFORE = (0, 0, 0, 0)  # how our kernel computed before this measurement
 
 
@@ -44,7 +50,8 @@ def build():
     """nvcc -> a ctypes library (seconds; torch's extension loader would compile all of torch's headers)."""
     lib_path = Path(tempfile.mkdtemp()) / "softmax_variants.so"
     subprocess.run(["nvcc", "-std=c++20", "-O3", "-arch=native", "-shared", "-Xcompiler", "-fPIC",
-                    f"-I{ROOT / 'cuda'}", str(ROOT / "bench" / "softmax_variants.cu"), "-o", str(lib_path)],
+                    f"-I{ROOT / 'cuda'}", str(Path(__file__).resolve().parent / "softmax_variants.cu"),
+                    "-o", str(lib_path)],
                    check=True)
     lib = ctypes.CDLL(str(lib_path))
     lib.attention_variant.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float] + \
@@ -80,13 +87,13 @@ def random_case(gen, samples, q_len, k_len):
     return flat, ref, mine
 
 
-def in_tile_search(lib, gen, samples):
+def in_tile_search(lib, gen, samples, lengths=LENGTHS):
     """Every in-tile combination on single-tile prompts (<= 128 tokens)."""
     scale = DIM ** -0.5
     combos = list(itertools.product(range(len(EXP)), range(len(SUM)), range(len(QUAD)), range(len(NORM))))
     differ = {c: 0 for c in combos}
     differ_ours, elements, per_length = 0, 0, []
-    for length in LENGTHS:
+    for length in lengths:
         flat, ref, mine = random_case(gen, samples, length, length)
         n_ours = int((mine != ref).sum())
         differ_ours += n_ours
@@ -106,14 +113,12 @@ def in_tile_search(lib, gen, samples):
     return {"elements": elements, "ours": differ_ours, "per_length": per_length, "ranked": rows}, ranked[0]
 
 
-def tiling_search(lib, gen, samples, best):
+def tiling_search(lib, gen, samples, best, cases=TILING_CASES):
     """The best in-tile arithmetic over several key tiles: tile size and how the row sum carries across tiles."""
     scale = DIM ** -0.5
     candidates = [(tile, running, sum_order) for tile in (64, 128) for running in (0, 1)
                   for sum_order in (best[1], SUM.index("pair-then-sequential"))]
     rows = []
-    cases = [("prefill", n, n) for n in (130, 200, 256, 300, 500)] + \
-            [("decode", 1, n) for n in (20, 50, 64, 100, 130, 200, 256, 300, 600)]
     for kind, q_len, k_len in cases:
         flat, ref, mine = random_case(gen, samples, q_len, k_len)
         row = {"kind": kind, "keys": k_len, "elements": ref.numel(), "ours": int((mine != ref).sum())}
@@ -131,17 +136,20 @@ def candidate_name(tile, running, sum_order) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--samples", type=int, default=48, help="random prompts per length")
-    ap.add_argument("--out", type=Path, default=None)
+    ap = arg_parser(__doc__, "2 prompts at 2 lengths, 2 tiling cases")
+    ap.add_argument("--samples", type=int, default=None, help="random prompts per length (default 48, --quick: 2)")
     args = ap.parse_args()
+    args.samples = args.samples or (2 if args.quick else 48)
+    require_cuda(__file__)
+    lengths = (9, 128) if args.quick else LENGTHS
     lib = build()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    search, best = in_tile_search(lib, gen, args.samples)
-    tiling, names = tiling_search(lib, gen, args.samples, best)
+    search, best = in_tile_search(lib, gen, args.samples, lengths)
+    tiling, names = tiling_search(lib, gen, args.samples, best,
+                                  [TILING_CASES[0], TILING_CASES[-1]] if args.quick else TILING_CASES)
     columns = ["exp", "row sum", "quad", "normalize", "differing elements", "fraction equal"]
     text = (f"# Softmax arithmetic vs torch SDPA (bf16, {args.samples} random prompts per length)\n\n"
-            f"## In one key tile: causal prompts of {LENGTHS} tokens, {search['elements']:,} outputs\n\n"
+            f"## In one key tile: causal prompts of {lengths} tokens, {search['elements']:,} outputs\n\n"
             f"Our CUDA kernel: {search['ours']:,} differing elements.\n\n"
             + markdown_table(search["per_length"], ["length", "elements", "ours", "previous arithmetic", "best variant",
                                                     "best differs"])
@@ -151,7 +159,11 @@ def main() -> None:
             "then add each probability; tile-sum: add the tile's own sum) / order within a tile.\n\n"
             + markdown_table(tiling, ["kind", "keys", "elements", "ours"] + names))
     print(text)
-    save("softmax_numerics", {**search, "best": name(best), "tiling": tiling}, text, args.out)
+    result = "softmax_numerics" + ("_quick" if args.quick else "")
+    raw = save_raw(result, {**search, "best": name(best), "tiling": tiling}, args.out)
+    headline = {**search, "ranked": search["ranked"][:HEADLINE_COMBINATIONS], "combinations": len(search["ranked"]),
+                "best": name(best), "tiling": tiling}
+    print(f"saved {save(result, headline, text, args.out)} (every combination: {raw})")
 
 
 def name(combo) -> str:

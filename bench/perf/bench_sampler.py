@@ -1,31 +1,31 @@
 """Sampler latency per step for typical batch mixes; saves JSON + markdown.
 
 Usage:
-    PYTHONPATH=python python bench/bench_sampler.py --device cuda
-    PYTHONPATH=python python bench/bench_sampler.py --device cpu --quick
+    PYTHONPATH=python python bench/perf/bench_sampler.py --device cuda
+    PYTHONPATH=python python bench/perf/bench_sampler.py --device cpu --quick
 
 Each case builds one step's rows and logits once, then times whole sampler
 calls (the call ends with its device-to-host copy, so wall time is the step's
 sampling cost as the model runner sees it). Results go to
-bench/results/sampler_<device>.{json,md}.
+bench/results/sampler_<device>.{json,md} (sampler_<device>_quick with --quick).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from pagedserve.sampler import Sampler, SamplingRow
-from pagedserve.sampling_params import SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import arg_parser, markdown_table, save  # noqa: E402
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+from pagedserve.sample.sampler import Sampler, SamplingRow  # noqa: E402
+from pagedserve.sampling_params import SamplingParams  # noqa: E402
+
 PROMPT_LEN, OUTPUT_LEN = 512, 128
 
 
@@ -77,10 +77,9 @@ def time_case(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arg_parser(__doc__, "small batches and vocab only")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="small batches and vocab only")
-    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--iters", type=int, default=None, help="timed calls per case (default 30, --quick: 5)")
     args = parser.parse_args()
     device = torch.device(args.device)
     rows_list = [1, 16] if args.quick else [1, 16, 64, 256]
@@ -99,27 +98,13 @@ def main() -> None:
                 print(f"vocab={vocab:>6} rows={num_rows:>3} {name:<20} "
                       f"median {timing['median_ms']:8.3f} ms  min {timing['min_ms']:8.3f} ms",
                       flush=True)
-    save(results, device, iters)
-
-
-def save(results: list[dict], device: torch.device, iters: int) -> None:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    name = device.type
-    meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-            platform.processor() or platform.machine(),
-            "torch": torch.__version__, "iters": iters,
-            "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN}
-    (RESULTS_DIR / f"sampler_{name}.json").write_text(
-        json.dumps({"meta": meta, "results": results}, indent=2))
-    lines = [f"# Sampler latency per step ({meta['device']}, torch {meta['torch']})", "",
-             f"Rows carry {PROMPT_LEN} prompt and {OUTPUT_LEN} output tokens; "
-             f"median of {iters} calls.", "",
-             "| vocab | rows | case | median ms | min ms | p90 ms |",
-             "| ---: | ---: | --- | ---: | ---: | ---: |"]
-    lines += [f"| {r['vocab']} | {r['rows']} | {r['case']} | {r['median_ms']:.3f} | "
-              f"{r['min_ms']:.3f} | {r['p90_ms']:.3f} |" for r in results]
-    (RESULTS_DIR / f"sampler_{name}.md").write_text("\n".join(lines) + "\n")
-    print(f"saved {RESULTS_DIR}/sampler_{name}.json and .md")
+    name = f"sampler_{device.type}" + ("_quick" if args.quick else "")
+    md = (f"# Sampler latency per step\n\nRows carry {PROMPT_LEN} prompt and {OUTPUT_LEN} output tokens; "
+          f"median of {iters} calls.\n\n"
+          + markdown_table(results, ["vocab", "rows", "case", "median_ms", "min_ms", "p90_ms"]))
+    path = save(name, {"device": args.device, "iters": iters, "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN,
+                       "rows": results}, md, args.out)
+    print(f"saved {path}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ for decode steps of 1 and 16 sequences at context ~300, and measures how far
 bf16 logits drift from float32 ones (relative error, greedy agreement).
 Prints a table; writes JSON + markdown (default bench/results/cpu_dtype.{json,md}).
 
-    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=python python bench/cpu_dtype_bench.py [--out bench/results] [--repeats 5]
+    OMP_WAIT_POLICY=PASSIVE PYTHONPATH=python python bench/perf/cpu_dtype_bench.py [--out DIR] [--repeats 5]
+    python bench/perf/cpu_dtype_bench.py --quick       # short shapes, 2 repeats: checks the script works
 
 OMP_WAIT_POLICY=PASSIVE matters on a small shared machine: with torch's default
 spin-waiting OpenMP threads, a 1x576 @ 576x1728 GEMM measured ~900 us instead of
@@ -14,22 +15,23 @@ spin-waiting OpenMP threads, a 1x576 @ 576x1728 GEMM measured ~900 us instead of
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from pagedserve import ops
-from pagedserve.attention_metadata import AttentionMetadata
-from pagedserve.config import ModelConfig
-from pagedserve.default_model import default_model_dir
-from pagedserve.models import build_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import arg_parser, save  # noqa: E402
+
+from pagedserve import ops  # noqa: E402
+from pagedserve.models import build_model  # noqa: E402
+from pagedserve.models.attention_metadata import AttentionMetadata  # noqa: E402
+from pagedserve.models.default_model import default_model_dir  # noqa: E402
+from pagedserve.models.model_config import ModelConfig  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -108,11 +110,11 @@ def drift(models: dict[str, torch.nn.Module], token_ids: torch.Tensor) -> dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = arg_parser(__doc__, "64-token shapes, 2 repeats: checks the script works")
+    parser.add_argument("--repeats", type=int, default=None, help="timed forwards per shape (default 5, --quick: 2)")
     parser.add_argument("--threads", type=int, default=0, help="torch and ops threads (0: leave the defaults)")
     args = parser.parse_args()
+    args.repeats = args.repeats or (2 if args.quick else 5)
     if args.threads:
         torch.set_num_threads(args.threads)
         ops.set_num_threads(args.threads)
@@ -120,8 +122,9 @@ def main() -> None:
     models = {name: build_model(ModelConfig.from_model_dir(model_dir, dtype=name, device="cpu"), "cpu")
               for name in ("float32", "bfloat16")}
     vocab = models["float32"].config.vocab_size
-    shapes = {"prefill 512 x 1": (1, 512, 512), "decode 1 @ ctx 300": (1, 300, 1),
-              "decode 16 @ ctx 300": (16, 300, 1)}
+    shapes = ({"prefill 64 x 1": (1, 64, 64), "decode 4 @ ctx 64": (4, 64, 1)} if args.quick else
+              {"prefill 512 x 1": (1, 512, 512), "decode 1 @ ctx 300": (1, 300, 1),
+               "decode 16 @ ctx 300": (16, 300, 1)})
     rows = []
     for label, (num_seqs, context, q_len) in shapes.items():
         batch = Batch(num_seqs, context, q_len, vocab, torch.Generator().manual_seed(0))
@@ -137,13 +140,12 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     accuracy = {"natural text": drift(models, torch.tensor(tokenizer(SAMPLE_TEXT).input_ids)),
                 "random tokens": drift(models, torch.randint(0, vocab, (256,), generator=torch.Generator().manual_seed(1)))}
-    report = {"model": str(model_dir), "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "<unset>"), "load_average": os.getloadavg(),
-              "cpu": platform.processor() or platform.machine(), "rows": rows, "bf16_vs_fp32": accuracy}
-    print_and_save(report, Path(args.out))
+    report = {"model": model_dir.name, "device": "cpu",
+              "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "<unset>"), "rows": rows, "bf16_vs_fp32": accuracy}
+    print_and_save(report, "cpu_dtype" + ("_quick" if args.quick else ""), args.out)
 
 
-def print_and_save(report: dict, out_dir: Path) -> None:
+def print_and_save(report: dict, name: str, out_dir: Path | None) -> None:
     lines = ["| step | tokens | float32 ms (best / median) | bfloat16 ms (best / median) | bf16 speedup (best) |",
              "|---|---|---|---|---|"]
     for row in report["rows"]:
@@ -153,13 +155,11 @@ def print_and_save(report: dict, out_dir: Path) -> None:
     for label, acc in report["bf16_vs_fp32"].items():
         lines.append(f"bf16 vs float32 logits, {label} ({acc['tokens']} tokens): relative error "
                      f"{acc['relative_error']:.2e}, greedy agreement {acc['greedy_agreement'] * 100:.1f}%  ")
-    lines.append(f"torch {report['torch']}, {report['threads']} threads, OMP_WAIT_POLICY={report['omp_wait_policy']}, "
-                 f"load average at the end {report['load_average'][0]:.1f}")
+    lines.append(f"{torch.get_num_threads()} torch threads, OMP_WAIT_POLICY={report['omp_wait_policy']}")
     text = "\n".join(lines)
     print(text)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "cpu_dtype.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / "cpu_dtype.md").write_text("# CPU dtype: float32 vs bfloat16 (default model)\n\n" + text + "\n")
+    path = save(name, report, "# CPU dtype: float32 vs bfloat16 (default model)\n\n" + text, out_dir)
+    print(f"saved {path}")
 
 
 if __name__ == "__main__":

@@ -5,26 +5,28 @@ tokens, and a 512-token prefill. Each op runs on the same inputs as its torch co
 (HF-style RMSNorm / rotary / SiLU-and-mul, index_put into the cache, and attention as K/V
 gathered through the block table followed by scaled_dot_product_attention).
 
-    PYTHONPATH=python python bench/cpu_ops_bench.py [--dtypes float32 bfloat16] [--repeats 50] [--threads 1 16]
+    PYTHONPATH=python python bench/perf/cpu_ops_bench.py [--dtypes float32 bfloat16] [--repeats 50] [--threads 1 16]
+    python bench/perf/cpu_ops_bench.py --quick        # 3 repeats, one thread: checks the script works
 
 Prints a table and writes bench/results/cpu_ops.json and bench/results/cpu_ops.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pagedserve import ops
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import arg_parser, save  # noqa: E402
+
+from pagedserve import ops  # noqa: E402
 
 # SmolLM2-135M
 HIDDEN = 576
@@ -36,8 +38,6 @@ ROPE_THETA = 100000.0
 EPS = 1e-5
 BLOCK_SIZE = 16
 MAX_POSITION = 8192
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def time_us(fn, repeats: int, warmup: int = 5) -> float:
@@ -241,25 +241,13 @@ def call_overhead_us(repeats: int) -> float:
     return time_us(lambda: ops.silu_and_mul(out, x), repeats * 20)
 
 
-def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__,
-                torch_cpu_capability=torch.backends.cpu.get_cpu_capability(), pagedserve_cpu_isa=ops.cpu_isa(),
-                python=platform.python_version())
-
-
-def to_markdown(info: dict, rows: list[dict], overhead: float, note: str) -> str:
+def to_markdown(rows: list[dict], overhead: float, note: str) -> str:
     lines = [
         "# CPU ops vs torch (SmolLM2-135M shapes, one layer)",
         "",
-        f"Machine: {info['cpu']}, {info['cores']} cores. torch {info['torch']} ({info['torch_cpu_capability']} "
-        f"kernels); pagedserve CPU ops with {info['pagedserve_cpu_isa']} kernels. Both use the same thread count "
-        "(first column). Median of repeated runs; shared machines are noisy, so compare within a run.",
+        f"torch with {torch.backends.cpu.get_cpu_capability()} kernels; pagedserve CPU ops with {ops.cpu_isa()} "
+        "kernels. Both use the same thread count (first column). Median of repeated runs; shared machines are "
+        "noisy, so compare within a run.",
         "",
         "Decode: 16 sequences, contexts 280-320 tokens. Prefill: one 512-token prompt. "
         f"Hidden {HIDDEN}, {Q_HEADS} q / {KV_HEADS} kv heads, head dim {HEAD_DIM}, MLP {INTERMEDIATE}, "
@@ -278,14 +266,16 @@ def to_markdown(info: dict, rows: list[dict], overhead: float, note: str) -> str
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arg_parser(__doc__, "3 repeats on one thread: checks the script works")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--threads", type=int, nargs="+", default=sorted({1, os.cpu_count() or 1}),
-                        help="thread counts to measure, each used by both torch and pagedserve")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--repeats", type=int, default=None, help="default 50 (--quick: 3)")
+    parser.add_argument("--threads", type=int, nargs="+", default=None,
+                        help="thread counts to measure, each used by both torch and pagedserve "
+                             "(default 1 and every core; --quick: 1)")
     parser.add_argument("--note", default="", help="a line added to the markdown (e.g. about the machine's load)")
     args = parser.parse_args()
+    args.repeats = args.repeats or (3 if args.quick else 50)
+    args.threads = args.threads or ([1] if args.quick else sorted({1, os.cpu_count() or 1}))
 
     rows = []
     with torch.inference_mode():
@@ -298,7 +288,6 @@ def main():
                     rows += [dict(threads=threads, **row) for row in bench_step(kind, getattr(torch, dtype_name),
                                                                                  args.repeats, gen)]
     overhead = call_overhead_us(args.repeats)
-    info = machine_info()
 
     header = (f"{'threads':>7} {'step':8} {'dtype':9} {'op':38} {'tokens':>6} {'ours us':>10} {'torch us':>10} "
               f"{'speedup':>8}")
@@ -309,11 +298,11 @@ def main():
               f"{r['torch_us']:>10} {r['speedup']:>7}x")
     print(f"\nfixed cost of one op call from Python: {overhead:.2f} us")
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu_ops.json").write_text(json.dumps(dict(machine=info, call_overhead_us=round(overhead, 2),
-                                                           results=rows), indent=2) + "\n")
-    (args.out / "cpu_ops.md").write_text(to_markdown(info, rows, overhead, args.note))
-    print(f"wrote {args.out / 'cpu_ops.json'} and {args.out / 'cpu_ops.md'}")
+    path = save("cpu_ops" + ("_quick" if args.quick else ""),
+                dict(device="cpu", torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                     call_overhead_us=round(overhead, 2), results=rows),
+                to_markdown(rows, overhead, args.note), args.out)
+    print(f"saved {path}")
 
 
 if __name__ == "__main__":

@@ -15,16 +15,13 @@ Measures in one run, on one GPU:
 Every time is the median over repeated replays of a CUDA graph holding many
 launches (so host overhead is out), with inputs rotated across buffers larger
 than L2 where the data would otherwise stay cached. Results are printed and
-saved as JSON and markdown under --out.
+saved as JSON and markdown under --out (bench/results/kernel_bench.{json,md}).
 
-    python bench/kernel_bench.py [--out bench/results] [--quick]
+    python bench/perf/kernel_bench.py [--out DIR] [--quick]      (needs a CUDA GPU and the CUDA build)
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import math
 import statistics
 import sys
@@ -33,8 +30,10 @@ from pathlib import Path
 import torch
 from torch.utils.dlpack import to_dlpack
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import arg_parser, require_cuda, save  # noqa: E402
 
-from pagedserve import _core
+from pagedserve import _core  # noqa: E402
 
 DECODE_TARGET = 0.70  # of the copy bandwidth
 PREFILL_TARGET = 0.25  # of the bf16 matmul rate
@@ -254,49 +253,46 @@ def small_op_cases(args):
 # Report
 
 
+def table(title: str, columns: list[str], cells: list[list[str]]) -> list[str]:
+    """A markdown section: a heading, then a table of preformatted cells."""
+    return ["", f"## {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(row) + " |" for row in cells)]
+
+
+def target_line(what: str, target: dict, measure: str, needs: float) -> list[str]:
+    return ["", f"Target ({what}): {100 * target['fraction']:.1f} % of {measure}, needs >= {100 * needs:.0f} %: "
+                f"**{'PASS' if target['pass'] else 'FAIL'}**"]
+
+
 def markdown(results) -> str:
-    env = results["environment"]
-    lines = [f"# Kernel benchmark ({env['device']}, {env['date']})", "",
-             f"torch {env['torch']}, CUDA {env['cuda']}", "",
-             "| ceiling | value |", "|---|---|",
+    lines = ["# Kernel benchmark", "", "| ceiling | value |", "|---|---|",
              f"| device-to-device copy | {results['copy_gb_per_s']:.0f} GB/s |",
-             f"| bf16 matmul 8192^3 | {results['matmul_tflops']:.0f} TFLOP/s |", "",
-             "## Decode attention (32 q / 8 kv heads, D 128, bf16, block 16)", "",
-             "| batch | context | time (ms) | GB/s | % of copy |", "|---|---|---|---|---|"]
-    for row in results["decode_sweep"]:
-        lines.append(f"| {row['batch']} | {row['context']} | {row['ms']:.4f} | {row['gb_per_s']:.0f} | "
-                     f"{100 * row['fraction_of_copy']:.1f} % |")
-    target = results["decode_target"]
-    lines += ["", (f"Target (64 x 4096): {100 * target['fraction']:.1f} % of copy bandwidth, needs >= "
-                   f"{100 * DECODE_TARGET:.0f} %: **{'PASS' if target['pass'] else 'FAIL'}**"), "",
-              "## Prefill attention (one causal prompt, 32 q / 8 kv heads, D 128, bf16)", "",
-              "| tokens | time (ms) | TFLOP/s | % of matmul |", "|---|---|---|---|"]
-    for row in results["prefill"]:
-        lines.append(f"| {row['seq_len']} | {row['ms']:.3f} | {row['tflops']:.0f} | "
-                     f"{100 * row['fraction_of_matmul']:.1f} % |")
-    target = results["prefill_target"]
-    lines += ["", (f"Target (4096 tokens): {100 * target['fraction']:.1f} % of the matmul rate, needs >= "
-                   f"{100 * PREFILL_TARGET:.0f} %: **{'PASS' if target['pass'] else 'FAIL'}**"), "",
-              "## Small fused ops, TinyLlama-1.1B shapes (bf16)", "",
-              "| op | tokens | ours (us) | torch eager (us) | speedup |", "|---|---|---|---|---|"]
-    for row in results["small_ops"]:
-        lines.append(f"| {row['op']} | {row['tokens']} | {row['ours_us']:.2f} | {row['torch_us']:.2f} | "
-                     f"{row['speedup']:.1f}x |")
+             f"| bf16 matmul 8192^3 | {results['matmul_tflops']:.0f} TFLOP/s |"]
+    lines += table("Decode attention (32 q / 8 kv heads, D 128, bf16, block 16)",
+                   ["batch", "context", "time (ms)", "GB/s", "% of copy"],
+                   [[str(r["batch"]), str(r["context"]), f"{r['ms']:.4f}", f"{r['gb_per_s']:.0f}",
+                     f"{100 * r['fraction_of_copy']:.1f} %"] for r in results["decode_sweep"]])
+    lines += target_line("64 x 4096", results["decode_target"], "copy bandwidth", DECODE_TARGET)
+    lines += table("Prefill attention (one causal prompt, 32 q / 8 kv heads, D 128, bf16)",
+                   ["tokens", "time (ms)", "TFLOP/s", "% of matmul"],
+                   [[str(r["seq_len"]), f"{r['ms']:.3f}", f"{r['tflops']:.0f}",
+                     f"{100 * r['fraction_of_matmul']:.1f} %"] for r in results["prefill"]])
+    lines += target_line("4096 tokens", results["prefill_target"], "the matmul rate", PREFILL_TARGET)
+    lines += table("Small fused ops, TinyLlama-1.1B shapes (bf16)", ["op", "tokens", "ours (us)", "torch eager (us)",
+                                                                   "speedup"],
+                   [[r["op"], str(r["tokens"]), f"{r['ours_us']:.2f}", f"{r['torch_us']:.2f}", f"{r['speedup']:.1f}x"]
+                    for r in results["small_ops"]])
     return "\n".join(lines) + "\n"
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions and a smaller sweep")
+    parser = arg_parser(__doc__, "fewer repetitions and a smaller sweep")
     args = parser.parse_args()
     args.repeat = 5 if args.quick else 20
-    if not (torch.cuda.is_available() and getattr(_core, "has_cuda", False)):
-        sys.exit("kernel_bench needs a CUDA GPU and pagedserve._core built with USE_CUDA=ON")
+    require_cuda(__file__)
     torch.manual_seed(0)
 
-    results = {"environment": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "cuda": torch.version.cuda, "date": datetime.datetime.now().isoformat(timespec="seconds")}}
+    results = {}
     results["copy_gb_per_s"] = copy_bandwidth_gbs(args)
     results["matmul_tflops"] = matmul_tflops(args)
     print(f"copy {results['copy_gb_per_s']:.0f} GB/s, bf16 matmul {results['matmul_tflops']:.0f} TFLOP/s", flush=True)
@@ -330,12 +326,8 @@ def main():
     results["small_ops"] = small_op_cases(args)
     report = markdown(results)
     print(report)
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    (out_dir / f"kernel_bench-{stamp}.json").write_text(json.dumps(results, indent=2))
-    (out_dir / f"kernel_bench-{stamp}.md").write_text(report)
-    print(f"saved {out_dir}/kernel_bench-{stamp}.{{json,md}}")
+    path = save("kernel_bench" + ("_quick" if args.quick else ""), results, report, args.out)
+    print(f"saved {path}")
 
 
 if __name__ == "__main__":

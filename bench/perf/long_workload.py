@@ -3,9 +3,9 @@ N requests whose prompt and output lengths are each uniform in [MIN, MAX]
 (random token ids, seed 0), temperature 0.6, ignore_eos, all submitted at once;
 output tokens over wall time, prefill included.
 
-    python bench/long_workload.py                       # GPU: 256 requests, 100..1024, Qwen3-0.6B shapes
-    python bench/long_workload.py --device cpu --quick  # CPU-sized: 16 requests, 16..64, Qwen3-0.6B shapes
-    python bench/long_workload.py --model DIR           # real weights from a local HF directory instead
+    python bench/perf/long_workload.py                       # GPU: 256 requests, 100..1024, Qwen3-0.6B shapes
+    python bench/perf/long_workload.py --device cpu --quick  # CPU-sized: 16 requests, 16..64, Qwen3-0.6B shapes
+    python bench/perf/long_workload.py --model DIR           # real weights from a local HF directory instead
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, save  # noqa: E402
-from model_shapes import shape_dir  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import markdown_table, save  # noqa: E402
+from common.model_shapes import shape_dir  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--shape", default="qwen3-0.6b", help="dummy-weight model shape (bench/model_shapes.py)")
+    ap.add_argument("--shape", default="qwen3-0.6b", help="dummy-weight model shape (bench/common/model_shapes.py)")
     ap.add_argument("--model", default=None, help="HF model dir instead of a shape")
     ap.add_argument("--num-requests", type=int, default=None, help="default 256 (--quick: 16)")
     ap.add_argument("--min-len", type=int, default=None, help="default 100 (--quick: 16)")

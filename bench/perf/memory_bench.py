@@ -16,8 +16,8 @@ to be less than one block), how many sequences run at once, steps to finish
 the workload, preemptions. Also each request's reservation at its final length,
 as plain arithmetic. No timing here: every figure is deterministic.
 
-    python bench/memory_bench.py                 # 600 requests, 2 GiB of TinyLlama-1.1B KV
-    python bench/memory_bench.py --quick         # CI: seconds
+    python bench/perf/memory_bench.py                 # 600 requests, 2 GiB of TinyLlama-1.1B KV
+    python bench/perf/memory_bench.py --quick         # CI: seconds
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _kv_schemes import (  # noqa: E402
     ContiguousScheme,
     GrowByCopyScheme,
@@ -41,8 +41,8 @@ from _kv_schemes import (  # noqa: E402
     simulate_contiguous,
     simulate_paged,
 )
-from _report import markdown_table, save  # noqa: E402
-from model_shapes import SHAPES  # noqa: E402
+from common.report import markdown_table, save  # noqa: E402
+from common.model_shapes import SHAPES  # noqa: E402
 
 PAGED = "pagedserve (16-token blocks)"
 # Output length classes: (share of requests, shortest, longest).

@@ -1,13 +1,14 @@
 """Cost of one scheduler step (schedule + update) at 64, 256 and 1024 running
-decoding sequences, in C++ (bench/scheduler_step_bench.cc) and through the
-Python bindings (including reading the step's arrays as a runner does).
+decoding sequences, in C++ (bench/perf/scheduler_step_bench.cc, built with
+CMake on first use) and through the Python bindings (including reading the
+step's arrays as a runner does).
 
-    python bench/scheduler_bench.py [--sizes 64 256 1024] [--out DIR]
+    python bench/perf/scheduler_bench.py [--sizes 64 256 1024] [--out DIR]
+    python bench/perf/scheduler_bench.py --quick         # 64 sequences only
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -17,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, save  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import arg_parser, markdown_table, save  # noqa: E402
 
 from pagedserve import _core  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT_LEN, BLOCK_SIZE, STEPS = 128, 16, 512
 
 
@@ -64,10 +65,10 @@ def python_bench(num_seqs: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
-    ap.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
+    ap = arg_parser(__doc__, "64 sequences only: checks the script works")
+    ap.add_argument("--sizes", type=int, nargs="+", default=None, help="running sequences (default 64 256 1024)")
     args = ap.parse_args()
+    args.sizes = args.sizes or ([64] if args.quick else [64, 256, 1024])
     binary = cpp_bench_binary()
     cpp = [json.loads(line) for line in
            subprocess.run([str(binary), *map(str, args.sizes)], check=True, capture_output=True,
@@ -84,7 +85,8 @@ def main() -> None:
     table = markdown_table(rows, cols)
     print(table)
     md = ("## Scheduler step cost (decode steps, median over %d steps)\n\n" % STEPS) + table
-    path = save("scheduler", {"prompt_len": PROMPT_LEN, "block_size": BLOCK_SIZE, "rows": rows}, md, args.out)
+    path = save("scheduler" + ("_quick" if args.quick else ""),
+                {"prompt_len": PROMPT_LEN, "block_size": BLOCK_SIZE, "rows": rows}, md, args.out)
     print(f"saved {path}")
 
 

@@ -3,9 +3,9 @@ random prompts (fixed seed) arrive as a Poisson process at several rates
 against a running OpenAI-compatible server and stream their outputs; reports
 throughput and TTFT / TPOT / ITL / end-to-end latency at p50 / p90 / p99.
 
-    python bench/serve_bench.py http://127.0.0.1:8000            # a running server
-    python bench/serve_bench.py --launch --serve-args "--device cpu"   # start a server for the run
-    python bench/serve_bench.py --launch --quick                 # CI-sized run
+    python bench/perf/serve_bench.py http://127.0.0.1:8000            # a running server
+    python bench/perf/serve_bench.py --launch --serve-args "--device cpu"   # start a server for the run
+    python bench/perf/serve_bench.py --launch --quick                 # CI-sized run
 
 Results: bench/results/<name>.json and .md (name: --name, default serve_<device>).
 """
@@ -31,10 +31,10 @@ from typing import Optional
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, save  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import markdown_table, save  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PERCENTILES = (50, 90, 99)
 # Words random prompts are drawn from; prompts are then cut to the exact token count.
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "

@@ -3,12 +3,12 @@
 against the wall time of a whole engine step. Host work the engine does not
 overlap with the device shows as wall minus device.
 
-    python bench/step_timing.py --shape tinyllama-1.1b --batch 64
+    python bench/perf/step_timing.py --shape tinyllama-1.1b --batch 64     (needs a CUDA GPU and the CUDA build)
+    python bench/perf/step_timing.py --quick                               # batches 1 and 8, 10 steps
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, save  # noqa: E402
-from model_shapes import shape_dir  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.model_shapes import shape_dir  # noqa: E402
+from common.report import arg_parser, markdown_table, require_cuda, save  # noqa: E402
 
 
 def measure(shape: str | None, batch: int, steps: int) -> dict:
     from pagedserve import LLMEngine, SamplingParams
-    from pagedserve.default_model import default_model_dir
+    from pagedserve.models.default_model import default_model_dir
     model_dir, load_format = (shape_dir(shape), "dummy") if shape else (default_model_dir(), "auto")
     engine = LLMEngine(model=str(model_dir), load_format=load_format, dtype="bfloat16", device="cuda",
                        max_num_seqs=max(batch, 8), max_model_len=1024)
@@ -61,18 +61,20 @@ def measure(shape: str | None, batch: int, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = arg_parser(__doc__, "small batches and few steps: checks the script works")
     ap.add_argument("--shape", default="tinyllama-1.1b", help="dummy shape, or 'default' for SmolLM2-135M")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 64 256 (--quick: 1 8)")
+    ap.add_argument("--steps", type=int, default=None, help="decode steps timed per batch (default 100, --quick: 10)")
     args = ap.parse_args()
+    args.batch = args.batch or ([1, 8] if args.quick else [1, 64, 256])
+    args.steps = args.steps or (10 if args.quick else 100)
+    require_cuda(__file__)
     shape = None if args.shape == "default" else args.shape
     rows = [measure(shape, b, args.steps) for b in args.batch]
     table = markdown_table(rows, list(rows[0]))
     print(table)
-    save(f"step_timing_{args.shape}", {"rows": rows}, "## Decode step: wall time vs device time\n\n" + table,
-         args.out)
+    save(f"step_timing_{args.shape}" + ("_quick" if args.quick else ""), {"rows": rows},
+         "## Decode step: wall time vs device time\n\n" + table, args.out)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ on C, so a sample of requests measures it — and (b) one statically padded batc
 of C, which must run until its longest request is done: tokens generated past a
 request's own length are waste and do not count.
 
-    python bench/throughput.py --device cpu --concurrency 1 4 16          # the CPU issue's figure
-    python bench/throughput.py --device cuda --shape tinyllama-1.1b --plot   # 1, 4, 16, 32, 64, 128, 256
-    python bench/throughput.py --device cuda --plot                            # SmolLM2-135M, real weights
-    python bench/throughput.py --quick                                    # CI: checks the script runs
+    python bench/perf/throughput.py --device cpu --concurrency 1 4 16          # the CPU issue's figure
+    python bench/perf/throughput.py --device cuda --shape tinyllama-1.1b --plot   # 1, 4, 16, 32, 64, 128, 256
+    python bench/perf/throughput.py --device cuda --plot                            # SmolLM2-135M, real weights
+    python bench/perf/throughput.py --quick                                    # CI: checks the script runs
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import markdown_table, save  # noqa: E402
-from model_shapes import shape_dir  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.model_shapes import shape_dir  # noqa: E402
+from common.plots import draw_throughput, pyplot  # noqa: E402
+from common.report import markdown_table, save  # noqa: E402
 
 GPU_CONCURRENCY = [1, 4, 16, 32, 64, 128, 256]
 CPU_CONCURRENCY = [1, 4, 16]
@@ -43,7 +44,7 @@ def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--shape", default=None, help="dummy-weight model shape (bench/model_shapes.py)")
+    ap.add_argument("--shape", default=None, help="dummy-weight model shape (bench/common/model_shapes.py)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--concurrency", type=int, nargs="+", default=None,
                     help=f"default: {' '.join(map(str, GPU_CONCURRENCY))} on CUDA, "
@@ -114,11 +115,6 @@ class PeakBlocks:
         return getattr(self._scheduler, name)
 
 
-def kv_bytes_per_block(llm) -> int:
-    worker = llm.llm_engine.worker
-    return worker.kv_cache.numel() * worker.kv_cache.element_size() // worker.num_kv_blocks
-
-
 def make_llm(args, model_dir: Path, load_format: str, dtype: str, max_seqs: int):
     from pagedserve import LLM, SamplingParams
     llm = LLM(str(model_dir), dtype=dtype, device=args.device, load_format=load_format, max_num_seqs=max_seqs,
@@ -154,14 +150,14 @@ def run_pagedserve(args, model_dir: Path, load_format: str, dtype: str) -> tuple
         sync(args.device)
         wall = time.perf_counter() - start
         engine.scheduler = recorder._scheduler
-        block_bytes = kv_bytes_per_block(llm)
+        plan = engine.worker.kv_plan
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         tpot = statistics.mean((o.metrics.last_token_time - o.metrics.first_token_time) /
                                max(1, len(o.outputs[0].token_ids) - 1) for o in outs)
         rows.append({"engine": "pagedserve", "concurrency": c, "output_tok_s": tokens / wall,
                      "ms_per_output_token": tpot * 1e3, "wall_s": wall, "peak_gpu_gib": peak_gib(args.device),
-                     "kv_pool_gib": engine.worker.num_kv_blocks * block_bytes / 2**30,
-                     "kv_peak_used_gib": recorder.peak * block_bytes / 2**30})
+                     "kv_pool_gib": plan.num_bytes / 2**30,
+                     "kv_peak_used_gib": recorder.peak * plan.bytes_per_block / 2**30})
         tqdm.write(f"pagedserve      C={c:4d}: {tokens / wall:10.1f} tok/s")
     llm.shutdown()
     gc.collect()
@@ -232,21 +228,8 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for engine in ("pagedserve", "transformers-static-batch", "transformers-sequential"):
-        pts = sorted((r["concurrency"], r["output_tok_s"]) for r in rows if r["engine"] == engine)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=engine)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("concurrent requests")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(title)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
+    draw_throughput(ax, rows, title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -256,7 +239,7 @@ def main() -> None:
     if args.shape:
         model_dir, load_format, label = shape_dir(args.shape), "dummy", args.shape
     else:
-        from pagedserve.default_model import default_model_dir
+        from pagedserve.models.default_model import default_model_dir
         model_dir = Path(args.model) if args.model else default_model_dir()
         load_format, label = "auto", model_dir.name
     dtype_name = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")

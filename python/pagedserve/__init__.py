@@ -14,7 +14,7 @@ def __getattr__(name):
         from pagedserve.sampling_params import SamplingParams
         return SamplingParams
     if name == "LLMEngine":
-        from pagedserve.engine import LLMEngine
+        from pagedserve.engine.engine import LLMEngine
         return LLMEngine
     if name == "EngineConfig":
         from pagedserve.engine_config import EngineConfig

@@ -1,32 +1,60 @@
-"""EngineConfig: every knob of the engine, with the defaults vLLM users expect,
-and the command-line flags that set them (shared by generate, chat and serve)."""
+"""EngineConfig: every knob of the engine, with the defaults vLLM users expect.
+
+Each field carries its help text (and choices, where they are fixed) in its
+metadata; the command-line flags (add_engine_args) and LLM(**options) are
+generated from the fields, so a default is written once, here.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
-from typing import Optional
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from typing import Any, Optional
+
+# Device-dependent defaults, decided in resolve_defaults() and nowhere else.
+# A GPU step is cheap to widen (the batch rides on tensor cores), a 2-core CPU's is not.
+CUDA_MAX_NUM_SEQS, CPU_MAX_NUM_SEQS = 256, 64
+CUDA_TOKEN_BUDGET, CPU_TOKEN_BUDGET = 8192, 2048
+CPU_KV_CACHE_GB = 1.0  # a GPU sizes its cache from gpu_memory_utilization instead
+
+
+def _knob(default: Any, help: str, *, choices: Optional[tuple] = None, metavar: Optional[str] = None,
+          false_aliases: tuple[str, ...] = ()) -> Any:
+    """A config field with the help text (and choices) its flag and LLM(**options) show."""
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar,
+                                            "false_aliases": false_aliases})
 
 
 @dataclass
 class EngineConfig:
-    model: Optional[str] = None  # a local HF-format directory; None = the default model
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    device: Optional[str] = None  # cuda | cpu; None = cuda when available
-    load_format: str = "auto"  # auto | safetensors | dummy
-    seed: int = 0
-    max_model_len: Optional[int] = None  # None = the model's max_position_embeddings (capped by the KV pool)
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_num_seqs: Optional[int] = None  # None = 256 on CUDA, 64 on CPU
-    max_num_batched_tokens: Optional[int] = None  # None = max(8192, max_num_seqs) on CUDA, 2048 on CPU
-    gpu_memory_utilization: float = 0.9  # fraction of the card the engine may use (weights + activations + KV)
-    kv_cache_memory_gb: Optional[float] = None  # CPU KV budget; None = 1 GiB (CPU) or from the card (CUDA)
-    num_kv_blocks: Optional[int] = None  # force the pool size (tests, preemption demos)
-    enforce_eager: bool = False  # CUDA: no CUDA graphs
-    cpu_weight_dtype: str = "auto"  # CPU float32 models: auto (bf16 tiles when lossless) | bfloat16 | float32
-    max_logprobs: int = 20
-    max_num_waiting: int = 4096  # server: the queue length at which new requests are refused
+    model: Optional[str] = _knob(None, "local HF-format model directory (default: SmolLM2-135M-Instruct, converted "
+                                       "once into ~/.cache/pagedserve)", metavar="DIR")
+    dtype: str = _knob("auto", "what the model computes in; auto: the checkpoint's dtype on CUDA, float32 on CPU",
+                       choices=("auto", "bfloat16", "float16", "float32"))
+    device: Optional[str] = _knob(None, "where the model runs (default: cuda when available, else cpu)",
+                                  choices=("cuda", "cpu"))
+    load_format: str = _knob("auto", "dummy: seeded random weights for the model's config (benchmarking)",
+                             choices=("auto", "safetensors", "dummy"))
+    seed: int = _knob(0, "random seed (sampling is reproducible for a given seed)")
+    max_model_len: Optional[int] = _knob(None, "context limit, prompt + output tokens (default: the model's "
+                                               "max_position_embeddings, lowered to what the KV cache holds)")
+    block_size: int = _knob(16, "tokens per KV cache block")
+    enable_prefix_caching: bool = _knob(True, "reuse the KV blocks of prompt prefixes seen before",
+                                        false_aliases=("--no-prefix-caching",))
+    max_num_seqs: Optional[int] = _knob(None, f"most sequences in one step (default: {CUDA_MAX_NUM_SEQS} on CUDA, "
+                                              f"{CPU_MAX_NUM_SEQS} on CPU)")
+    max_num_batched_tokens: Optional[int] = _knob(None, f"token budget of one step (default: {CUDA_TOKEN_BUDGET} on "
+                                                        f"CUDA, {CPU_TOKEN_BUDGET} on CPU; at least max_num_seqs)")
+    gpu_memory_utilization: float = _knob(0.9, "CUDA: fraction of the GPU's memory the engine may use (weights, "
+                                                "activations and the KV cache)")
+    kv_cache_memory_gb: Optional[float] = _knob(None, f"KV cache size in GiB (default: {CPU_KV_CACHE_GB:g} on CPU; "
+                                                      "on CUDA what gpu_memory_utilization leaves)", metavar="GIB")
+    num_kv_blocks: Optional[int] = _knob(None, "force the number of KV cache blocks (tests, preemption demos)")
+    enforce_eager: bool = _knob(False, "CUDA: run every step eagerly, capturing no CUDA graphs")
+    cpu_weight_dtype: str = _knob("auto", "CPU, float32 models: store linear weights as bf16 tiles (auto: when that "
+                                          "is lossless, as for a bf16 checkpoint; bfloat16: always, rounding; "
+                                          "float32: never)", choices=("auto", "bfloat16", "float32"))
+    max_logprobs: int = _knob(20, "most logprobs a request may ask for per token")
 
     def with_updates(self, **kw) -> "EngineConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -37,29 +65,58 @@ class EngineConfig:
         return EngineConfig(**values)
 
 
+def option_help(f: Field) -> str:
+    """A field's help text with its default, as --help and LLM's docstring show it."""
+    text = f.metadata.get("help", "")
+    if f.default is not None and f.default is not MISSING and "(default" not in text:
+        text += f" (default: {_flag_value(f.default)})"
+    return text
+
+
+def resolve_defaults(config: EngineConfig, device_type: str, max_position_embeddings: int) -> EngineConfig:
+    """The config with every device-dependent default decided (the one place that decides them):
+    max_num_seqs, the token budget, max_model_len (before the KV plan may lower it) and the CPU KV budget."""
+    cuda = device_type == "cuda"
+    max_num_seqs = config.max_num_seqs or (CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS)
+    budget = config.max_num_batched_tokens or max(CUDA_TOKEN_BUDGET if cuda else CPU_TOKEN_BUDGET, max_num_seqs)
+    kv_gb = config.kv_cache_memory_gb
+    if kv_gb is None and not cuda:
+        kv_gb = CPU_KV_CACHE_GB
+    return replace(config, device=device_type, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                   max_model_len=config.max_model_len or max_position_embeddings, kv_cache_memory_gb=kv_gb)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="local HF-format model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    g.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda when available")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                   help="dummy = random weights for the model's config (benchmarking)")
-    g.add_argument("--seed", type=int, default=0, help="random seed (sampling is reproducible for a given seed)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + output tokens)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn automatic prefix caching off")
-    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None, help="KV cache size on CPU")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="force the number of KV blocks")
-    g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not capture CUDA graphs")
-    g.add_argument("--cpu-weight-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="CPU, float32 models: store linear weights as bf16 tiles (auto: when that is lossless, "
-                        "as for a bf16 checkpoint; bfloat16: always, rounding; float32: never)")
+    """One flag per EngineConfig field: --max-num-seqs for max_num_seqs, --enable-x/--no-enable-x for a bool."""
+    group = parser.add_argument_group("engine")
+    types = _field_types()
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        if types[f.name] is bool:
+            action = group.add_argument(flag, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction)
+            for alias in meta.get("false_aliases", ()):
+                group.add_argument(alias, dest=f.name, action="store_false", help=f"same as --no-{flag[2:]}")
+        else:
+            kind, choices = types[f.name], meta.get("choices")
+            metavar = meta.get("metavar") or (None if choices else {int: "N", float: "X"}.get(kind))
+            action = group.add_argument(flag, dest=f.name, default=f.default, type=kind, choices=choices,
+                                        metavar=metavar)
+        action.help = option_help(f).replace("%", "%%")  # set after construction: no automatic "(default: ...)"
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     names = {f.name for f in fields(EngineConfig)}
     return EngineConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _field_types() -> dict[str, type]:
+    """Each field's value type, Optional unwrapped (the annotations are strings here)."""
+    import typing
+
+    hints = typing.get_type_hints(EngineConfig)
+    return {name: next((a for a in typing.get_args(hint) if a is not type(None)), hint) for name, hint in hints.items()}
+
+
+def _flag_value(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -8,33 +8,35 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from dataclasses import fields
+from typing import Any, Optional, Sequence, Union
 
-from pagedserve.engine import LLMEngine, PromptType
-from pagedserve.engine_config import EngineConfig
+from pagedserve.engine.engine import LLMEngine, PromptType
+from pagedserve.engine_config import EngineConfig, option_help
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.tokenizer import apply_chat_template
+from pagedserve.engine.tokenizer import apply_chat_template
 
 Messages = list[dict]
 
 
 class LLM:
-    def __init__(self, model: Optional[str] = None, *, dtype: str = "auto", max_model_len: Optional[int] = None,
-                 block_size: int = 16, enable_prefix_caching: bool = True, max_num_seqs: Optional[int] = None,
-                 max_num_batched_tokens: Optional[int] = None, seed: int = 0, load_format: str = "auto",
-                 device: Optional[str] = None, gpu_memory_utilization: float = 0.9,
-                 kv_cache_memory_gb: Optional[float] = None, num_kv_blocks: Optional[int] = None,
-                 enforce_eager: bool = False, max_logprobs: int = 20, cpu_weight_dtype: str = "auto"):
-        config = EngineConfig(model=model, dtype=dtype, device=device, load_format=load_format, seed=seed,
-                              max_model_len=max_model_len, block_size=block_size,
-                              enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens,
-                              gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_gb=kv_cache_memory_gb,
-                              num_kv_blocks=num_kv_blocks, enforce_eager=enforce_eager, max_logprobs=max_logprobs,
-                              cpu_weight_dtype=cpu_weight_dtype)
+    """Offline generation over one LLMEngine.
+
+    LLM(model=None, **options): `model` is a local HF-format directory (None: the default model); every
+    option is an EngineConfig field (dtype, device, max_model_len, ...; see `LLM.options()`), with the same
+    defaults as the command line's flags. An unknown option is a TypeError naming it.
+    """
+
+    def __init__(self, model: Optional[str] = None, **options: Any):
+        config = EngineConfig(model=model).with_updates(**options)  # TypeError for an unknown option
         self.llm_engine = LLMEngine(config)
         self._counter = 0
+
+    @staticmethod
+    def options() -> dict[str, str]:
+        """Every option LLM(**options) takes, with its help text and default."""
+        return {f.name: option_help(f) for f in fields(EngineConfig) if f.name != "model"}
 
     def shutdown(self) -> None:
         """Frees the engine's device memory now (see LLMEngine.shutdown)."""
@@ -52,8 +54,8 @@ class LLM:
                                                 isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's defaults (generation_config.json), as vLLM does
+            sampling_params = SamplingParams(**self.llm_engine.info().default_sampling)
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
             [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -104,3 +106,16 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finals[rid] for rid in request_ids]
+
+
+def _signature():
+    """LLM's signature as help() and IDEs show it: model, then every EngineConfig option with its default."""
+    import inspect
+
+    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+               for f in fields(EngineConfig) if f.name != "model"]
+    return inspect.Signature([inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None),
+                              *options])
+
+
+LLM.__signature__ = _signature()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import string
 
 import numpy as np
-from _report import markdown_table
+from common.report import markdown_table
 
 BLOCK = 16
 

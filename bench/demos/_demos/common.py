@@ -31,11 +31,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
 def model_source(args) -> tuple[str, str, str]:
     """(model directory, load_format, label) from --model / --shape."""
     if args.shape:
-        from model_shapes import shape_dir
+        from common.model_shapes import shape_dir
         return str(shape_dir(args.shape)), "dummy", args.shape
     if args.model:
         return args.model, "auto", Path(args.model).name
-    from pagedserve.default_model import default_model_dir
+    from pagedserve.models.default_model import default_model_dir
     path = default_model_dir()
     return str(path), "auto", path.name
 
@@ -66,7 +66,7 @@ class PromptMaker:
         self.vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
         self.tokenizer = None
         if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-            from pagedserve.tokenizer import load_tokenizer
+            from pagedserve.engine.tokenizer import load_tokenizer
             self.tokenizer = load_tokenizer(path)
 
     def text(self, num_tokens: int, rng: np.random.Generator) -> list[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from _report import markdown_table
+from common.report import markdown_table
 
 from _demos.common import PromptMaker, add_engine_args, engine_label, make_llm, run_requests, warm_up
 

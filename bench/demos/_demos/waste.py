@@ -11,7 +11,7 @@ batching frees the row the step the request ends.
 from __future__ import annotations
 
 import numpy as np
-from _report import markdown_table
+from common.report import markdown_table
 
 from _demos.common import add_engine_args, engine_label, make_llm, run_requests, warm_up
 
@@ -32,7 +32,7 @@ def prompts_and_params(llm, args):
     from pagedserve import SamplingParams
     tok = llm.get_tokenizer()
     if tok is not None and getattr(tok, "chat_template", None):
-        from pagedserve.tokenizer import apply_chat_template
+        from pagedserve.engine.tokenizer import apply_chat_template
         questions = [q for pair in zip(SHORT_QUESTIONS, LONG_QUESTIONS) for q in pair]
         prompts = [apply_chat_template(tok, [{"role": "user", "content": q}]) for q in questions]
         return questions, prompts, SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

@@ -11,9 +11,10 @@ unfinished character: it is held back until a later token completes it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # a type only: importing transformers takes seconds
+    from transformers import PreTrainedTokenizerBase
 
 from pagedserve.engine.stop_strings import StopDelta, StopMatch, StopStringStream, check_stop
 

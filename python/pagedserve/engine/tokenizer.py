@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:  # importing transformers takes seconds: load_tokenizer imports it when it must
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(model_dir: Union[str, Path]) -> PreTrainedTokenizerBase:
@@ -13,6 +14,13 @@ def load_tokenizer(model_dir: Union[str, Path]) -> PreTrainedTokenizerBase:
     path = Path(model_dir)
     if not path.is_dir():
         raise FileNotFoundError(f"model_dir {str(path)!r} is not a directory")
+    from pagedserve.engine.fast_tokenizer import load_fast_tokenizer
+
+    fast = load_fast_tokenizer(path)  # a plain tokenizer.json: the same tokenizer, without transformers
+    if fast is not None:
+        return fast
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as err:
