@@ -37,7 +37,7 @@ __device__ __forceinline__ float exp2_shifted(float x, float max) { return exp2f
 
 // 1 / l for the final O / l, as the approximate reciprocal (rcp.approx, ~1 ulp):
 // cuDNN normalizes this way, and matching it keeps the outputs bit-identical
-// (bench/softmax_numerics.py). 0 for l = 0, a row that saw no key (bad lengths).
+// (bench/numerics/softmax_numerics.py). 0 for l = 0, a row that saw no key (bad lengths).
 __device__ __forceinline__ float approx_reciprocal_or_zero(float l) { return l > 0.f ? __fdividef(1.f, l) : 0.f; }
 
 // Partitions of a decode row that hold keys. Both decode kernels use this one

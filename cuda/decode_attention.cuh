@@ -15,7 +15,7 @@
 //   sum and each output element is one chain over 64-token tiles, rounded as
 //   cuDNN's decode attention (torch SDPA on Hopper) rounds it: a partition's
 //   result is bit-identical to SDPA's up to 256 tokens
-//   (bench/softmax_numerics.py), which is why partitions are not cut shorter.
+//   (bench/numerics/softmax_numerics.py), which is why partitions are not cut shorter.
 //   Rows whose context fits one partition write `out` directly; others leave
 //   O / l, m and l per partition in the workspace.
 // decode_reduce_kernel (decode_reduce.cuh), one warp per (row, query head):

@@ -20,7 +20,7 @@
 // squares is summed in exactly torch's order (x.pow(2).mean(-1) on a [T, H]
 // CUDA tensor) and finished as transformers does (* 1/H, rsqrt), so a bf16
 // model normalizes bit for bit as transformers does on the same rows
-// (bench/bf16_agreement.py). Other rows use the tree below.
+// (bench/numerics/bf16_agreement.py). Other rows use the tree below.
 #include <algorithm>
 
 #include "cuda_check.h"
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
 // adds them (((a0 + a1) + a2) + a3), then the threads fold pairwise: through
 // shared memory while width > 32 (t += t + offset, offset = width / 2 .. 32),
 // then by warp shuffles down with offsets 16, 8, 4, 2, 1 (measured on an H200
-// with bench/norm_numerics.py: this order matches torch on every row).
+// with bench/numerics/norm_numerics.py: this order matches torch on every row).
 struct TorchRowOrder {
   int width = 0;  // 0: torch would not take this path; use our own order
   float inv_hidden = 0.f;  // torch's mean factor: float(rows) / float(rows * hidden)

@@ -46,7 +46,7 @@ inline constexpr int kStages = 2;
 
 // Keys per tile: 128 for head dim 64, the tile torch SDPA's cuDNN kernel uses
 // on Hopper there, so probabilities round at the same points and the output
-// is bit-identical to it (bench/sdpa_numerics.py); 64 for larger heads, to
+// is bit-identical to it (bench/numerics/sdpa_numerics.py); 64 for larger heads, to
 // keep two CTAs per SM.
 template <int kHeadDim>
 inline constexpr int kKeyTokens = kHeadDim <= 64 ? 128 : 64;

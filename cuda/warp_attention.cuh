@@ -89,7 +89,7 @@ __device__ __forceinline__ void warp_scores(float (&s)[kKeys / 8][4], const uint
 // swizzled key and value tiles, masked as in warp_scores.
 //
 // Rounding follows cuDNN's fused attention (which torch SDPA picks on Hopper;
-// bench/softmax_numerics.py measured it): scores in float32, scaled into the
+// bench/numerics/softmax_numerics.py measured it): scores in float32, scaled into the
 // log2 domain, probabilities exp2(s - m) against the running max m over the
 // tiles seen so far, rounded to T for P V; each lane sums its unrounded
 // probabilities of the tile one at a time in fragment order and adds that to

@@ -529,7 +529,7 @@ def test_paged_attention_is_bit_identical_to_torch_sdpa_on_hopper(hq, hkv):
     """bf16, head dim 64 (SmolLM2's 9 / 3 heads among others): prompts up to 256 tokens and decodes over
     up to 256 tokens come out exactly as torch's SDPA computes them for transformers on Hopper: the same
     key tiles (128 tokens for prompts, 64 for decodes), exponent, summation order and final reciprocal
-    (bench/softmax_numerics.py). The workspace is the engine's size, so a small batch could split its
+    (bench/numerics/softmax_numerics.py). The workspace is the engine's size, so a small batch could split its
     decodes, and must not below 256 tokens."""
     seed = fresh_seed()
     seeded(seed)

@@ -52,7 +52,7 @@ _DTYPES_BY_NAME: dict[str, torch.dtype] = {
 }
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-# On a CPU "auto" means float32, decided by bench/cpu_dtype_bench.py on the 2-core
+# On a CPU "auto" means float32, decided by bench/perf/cpu_dtype_bench.py on the 2-core
 # AMX/avx512_bf16 dev machine (bench/results/cpu_dtype.md): bf16 is 1.2-1.45x faster for
 # a 512-token prefill and a 16-sequence decode step, no faster for a single decode, and
 # not equally correct (logits drift ~1e-2 relative; ~2% of greedy tokens flip on natural text).
