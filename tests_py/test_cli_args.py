@@ -141,6 +141,17 @@ def test_help_imports_nothing_heavy():
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+def _generate_before_loading(argv: list[str]):
+    """Runs `pagedserve generate ARGV` in a fresh interpreter; asserts it failed with status 2 having
+    imported nothing heavy, and returns the result."""
+    code = ("import sys\nfrom pagedserve.cli import main\n"
+            f"rc = main(['generate', *{argv!r}])\n"
+            f"print(rc, sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    result = run_python(code)
+    assert result.stdout.strip() == "2 []", result.stdout + result.stderr
+    return result
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--max-tokens", "-1"], "argument --max-tokens: max_tokens must be at least 1, got -1"),
     (["--n", "0"], "argument --n: n must be at least 1, got 0"),
@@ -148,21 +159,13 @@ def test_help_imports_nothing_heavy():
     (["--temperature", "-1"], "argument --temperature: temperature must be non-negative"),
 ])
 def test_bad_sampling_flags_are_rejected_before_anything_loads(argv, message):
-    code = ("import sys\nfrom pagedserve.cli import main\n"
-            f"rc = main(['generate', 'Hi', *{argv!r}])\n"
-            f"print(rc, sorted(m for m in {HEAVY!r} if m in sys.modules))")
-    result = run_python(code)
-    assert result.stdout.strip() == "2 []", result.stdout + result.stderr
+    result = _generate_before_loading(["Hi", *argv])
     assert result.stderr.strip() == f"pagedserve: error: {message}" or message in result.stderr
 
 
 @pytest.mark.parametrize("prompt, message", [("", "the prompt is empty"), ("a\ud800b", "unpaired UTF-16 surrogate")])
 def test_bad_prompts_are_rejected_before_anything_loads(prompt, message):
-    code = ("import sys\nfrom pagedserve.cli import main\n"
-            f"rc = main(['generate', {prompt!r}])\n"
-            f"print(rc, sorted(m for m in {HEAVY!r} if m in sys.modules))")
-    result = run_python(code)
-    assert result.stdout.strip() == "2 []", result.stdout + result.stderr
+    result = _generate_before_loading([prompt])
     assert result.stderr.startswith("pagedserve: error: ") and message in result.stderr
 
 

@@ -7,10 +7,8 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from pagedserve import _core
 from pagedserve.engine.engine import LLMEngine
 from pagedserve.engine.validation import EngineLimits, validate_request
 from pagedserve.errors import RequestError

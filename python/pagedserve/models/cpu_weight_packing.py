@@ -21,7 +21,6 @@ import logging
 import torch
 from torch import nn
 
-from pagedserve import ops
 from pagedserve.models.layers import Linear
 
 logger = logging.getLogger("pagedserve")

@@ -18,9 +18,9 @@ from pagedserve.server.engine_inputs import (chat_logprobs, chat_prompt, check_c
 from pagedserve.server.errors import error_body
 from pagedserve.server.logprobs import chat_logprobs as chat_logprob_content
 from pagedserve.server.protocol import ChatCompletionRequest
-from pagedserve.server.serving_common import (Usage, aborted_by_shutdown, client_gone, engine_failure_event,
-                                              engine_failure_response, finish_fields)
-from pagedserve.server.streaming import DONE, sse, sse_response, until_disconnected
+from pagedserve.server.serving_common import (Usage, aborted_by_shutdown, client_gone, engine_failure_response,
+                                              finish_fields, sse_events)
+from pagedserve.server.streaming import sse_response, until_disconnected
 
 ASSISTANT = "assistant"
 
@@ -38,7 +38,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     call = _ChatCompletion(ctx, body, prompt, f"chatcmpl-{uuid.uuid4().hex}", logprobs)
     if body.stream:
         stream = await ctx.generate([prompt], params, call.id, arrival, "messages")
-        return sse_response(call.events(stream))
+        return sse_response(sse_events(call.id, stream, call.chunks(stream)))
     result = await until_disconnected(request, call.collect(params, arrival))
     return client_gone() if result is None else result
 
@@ -64,34 +64,27 @@ class _ChatCompletion:
         return chat_logprob_content(c.token_ids, c.logprobs, self.logprobs)
 
     # ------------------------------------------------------------------ streaming
-    async def events(self, stream: OutputStream) -> AsyncIterator[str]:
+    async def chunks(self, stream: OutputStream) -> AsyncIterator[dict]:
         chunk = "chat.completion.chunk"
-        try:
-            # Every choice opens with its role, as OpenAI's streams do.
-            yield sse(self._envelope(chunk, [{"index": i, "delta": {"role": ASSISTANT, "content": ""},
-                                               "logprobs": None, "finish_reason": None}
-                                              for i in range(self.body.n)]))
-            async for _, out in stream:
-                self.usage.add(0, out)
-                content, finished = [], []
-                for c in out.outputs:
-                    logprobs = self._logprobs(c)
-                    if c.text or logprobs:
-                        content.append({"index": c.index, "delta": {"content": c.text},
-                                        "logprobs": {"content": logprobs} if logprobs is not None else None,
-                                        "finish_reason": None})
-                    if c.finish_reason:
-                        finished.append({"index": c.index, "delta": {}, "logprobs": None, **finish_fields(c)})
-                for choices in (content, finished):
-                    if choices:
-                        yield sse(self._envelope(chunk, choices))
-            if self.body.include_usage:
-                yield sse({**self._envelope(chunk, []), "usage": self.usage.as_dict()})
-        except EngineStepError as err:
-            yield sse(engine_failure_event(self.id, err))
-        finally:
-            stream.close()
-        yield DONE
+        # Every choice opens with its role, as OpenAI's streams do.
+        yield self._envelope(chunk, [{"index": i, "delta": {"role": ASSISTANT, "content": ""},
+                                      "logprobs": None, "finish_reason": None} for i in range(self.body.n)])
+        async for _, out in stream:
+            self.usage.add(0, out)
+            content, finished = [], []
+            for c in out.outputs:
+                logprobs = self._logprobs(c)
+                if c.text or logprobs:
+                    content.append({"index": c.index, "delta": {"content": c.text},
+                                    "logprobs": {"content": logprobs} if logprobs is not None else None,
+                                    "finish_reason": None})
+                if c.finish_reason:
+                    finished.append({"index": c.index, "delta": {}, "logprobs": None, **finish_fields(c)})
+            for choices in (content, finished):
+                if choices:
+                    yield self._envelope(chunk, choices)
+        if self.body.include_usage:
+            yield {**self._envelope(chunk, []), "usage": self.usage.as_dict()}
 
     # ------------------------------------------------------------------ one response
     async def collect(self, params, arrival: float) -> Response:

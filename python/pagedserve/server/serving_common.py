@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import AsyncIterator
 
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.server.context import ServerContext
 from pagedserve.server.errors import internal_error_body, internal_error_response, new_error_id
-from pagedserve.server.streaming import CLIENT_CLOSED_REQUEST
+from pagedserve.server.async_engine import EngineStepError, OutputStream
+from pagedserve.server.streaming import CLIENT_CLOSED_REQUEST, DONE, sse
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -62,3 +64,16 @@ def engine_failure_response(call_id: str, err: Exception) -> JSONResponse:
 def engine_failure_event(call_id: str, err: Exception) -> dict:
     """The error event a stream ends with when the engine failed under it."""
     return internal_error_body(_log_failure(call_id, err))
+
+
+async def sse_events(call_id: str, stream: OutputStream, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """A streamed call's server-sent events: its chunks, an error event if the engine failed under it,
+    then [DONE]. The call's engine requests are closed (aborted if unfinished) however it ends."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+    except EngineStepError as err:
+        yield sse(engine_failure_event(call_id, err))
+    finally:
+        stream.close()
+    yield DONE

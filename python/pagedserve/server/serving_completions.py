@@ -20,9 +20,9 @@ from pagedserve.server.engine_inputs import (check_completion_options, check_pro
 from pagedserve.server.errors import error_body
 from pagedserve.server.logprobs import CompletionLogprobs, merge_completion_logprobs
 from pagedserve.server.protocol import CompletionRequest
-from pagedserve.server.serving_common import (Usage, aborted_by_shutdown, client_gone, engine_failure_event,
-                                              engine_failure_response, finish_fields)
-from pagedserve.server.streaming import DONE, sse, sse_response, until_disconnected
+from pagedserve.server.serving_common import (Usage, aborted_by_shutdown, client_gone, engine_failure_response,
+                                              finish_fields, sse_events)
+from pagedserve.server.streaming import sse_response, until_disconnected
 
 
 async def create_completion(ctx: ServerContext, body: CompletionRequest, request: Request) -> Response:
@@ -36,7 +36,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, request
     call = _Completion(ctx, body, prompts, f"cmpl-{uuid.uuid4().hex}")
     if body.stream:
         stream = await ctx.generate(prompts, params, call.id, arrival)
-        return sse_response(call.events(stream))
+        return sse_response(sse_events(call.id, stream, call.chunks(stream)))
     result = await until_disconnected(request, call.collect(params, arrival))
     return client_gone() if result is None else result
 
@@ -70,28 +70,21 @@ class _Completion:
         return index, logprobs
 
     # ------------------------------------------------------------------ streaming
-    async def events(self, stream: OutputStream) -> AsyncIterator[str]:
-        try:
-            if self.body.echo:
-                yield sse(self._envelope([{"index": i, "text": t, "logprobs": None, "finish_reason": None}
-                                          for i, t in enumerate(self.echo)]))
-            async for prompt_index, out in stream:
-                self.usage.add(prompt_index, out)
-                choices = []
-                for c in out.outputs:
-                    index, logprobs = self._choice_delta(prompt_index, c)
-                    if c.text or c.finish_reason or (logprobs and logprobs["tokens"]):
-                        choices.append({"index": index, "text": c.text, "logprobs": logprobs,
-                                        **finish_fields(c)})
-                if choices:
-                    yield sse(self._envelope(choices))
-            if self.body.include_usage:
-                yield sse({**self._envelope([]), "usage": self.usage.as_dict()})
-        except EngineStepError as err:
-            yield sse(engine_failure_event(self.id, err))
-        finally:
-            stream.close()
-        yield DONE
+    async def chunks(self, stream: OutputStream) -> AsyncIterator[dict]:
+        if self.body.echo:
+            yield self._envelope([{"index": i, "text": t, "logprobs": None, "finish_reason": None}
+                                  for i, t in enumerate(self.echo)])
+        async for prompt_index, out in stream:
+            self.usage.add(prompt_index, out)
+            choices = []
+            for c in out.outputs:
+                index, logprobs = self._choice_delta(prompt_index, c)
+                if c.text or c.finish_reason or (logprobs and logprobs["tokens"]):
+                    choices.append({"index": index, "text": c.text, "logprobs": logprobs, **finish_fields(c)})
+            if choices:
+                yield self._envelope(choices)
+        if self.body.include_usage:
+            yield {**self._envelope([]), "usage": self.usage.as_dict()}
 
     # ------------------------------------------------------------------ one response
     async def collect(self, params, arrival: float) -> Response:
