@@ -35,6 +35,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def subprocess_env() -> dict:
+    """The environment for a child process that imports pagedserve: the same pagedserve as the tests
+    (the installed one, or the tree's python/ when the tests run from it with a dev build)."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    # One torch thread: the server shares 2 cores with the test's clients, and OpenMP's spinning
+    # workers slow every step many times over when a core is taken.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    import pagedserve
+    source = str(Path(pagedserve.__file__).resolve().parents[1])
+    if source == str(REPO_ROOT / "python") and source not in env.get("PYTHONPATH", "").split(os.pathsep):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
+    return env
+
+
 class ServerProcess:
     def __init__(self, *args: str, api_key: Optional[str] = None, fake: bool = False,
                  max_open_files: Optional[int] = None):
@@ -56,17 +71,7 @@ class ServerProcess:
 
     def start(self, wait: bool = True) -> "ServerProcess":
         cmd = self.command()
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        # One torch thread: the server shares 2 cores with the test's clients, and OpenMP's spinning
-        # workers slow every step many times over when a core is taken.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        # The server imports the same pagedserve as the tests: the installed one, or the tree's
-        # python/ when the tests run from it (PYTHONPATH=python with a dev build).
-        import pagedserve
-        source = str(Path(pagedserve.__file__).resolve().parents[1])
-        if source == str(REPO_ROOT / "python") and source not in env.get("PYTHONPATH", "").split(os.pathsep):
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
+        env = subprocess_env()
         limit = self.max_open_files
 
         def limit_open_files() -> None:

@@ -6,7 +6,6 @@ and a periodic throughput line (over the fake engine: no model to load)."""
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import socket
 import subprocess
@@ -16,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from server_process import REPO_ROOT, ServerProcess
+from server_process import REPO_ROOT, ServerProcess, subprocess_env
 from pagedserve.engine_config import add_engine_args
 from pagedserve.server.args import add_server_args, server_defaults
 
@@ -37,7 +36,7 @@ def test_a_port_in_use_is_one_clear_line_and_status_1(fake):
         cmd = server.command()
         started = time.monotonic()
         result = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-                                env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
+                                env=subprocess_env())
     assert result.returncode == 1, result.stderr
     lines = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     assert lines == [f"pagedserve: error: port {port} on 127.0.0.1 is in use (is another server running?); "
@@ -61,7 +60,7 @@ def test_the_port_is_held_when_listening_is_announced():
 def test_bad_server_flags_are_refused_before_loading():
     result = subprocess.run([sys.executable, "tests_py/fake_engine.py", "--max-connections", "0"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "python")})
+                            env=subprocess_env())
     assert result.returncode != 0 and "--max-connections must be positive" in result.stderr
 
 
