@@ -41,9 +41,9 @@ def load(out: Path, name: str) -> dict:
 
 SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py", "perf/kernel_bench.py",
            "perf/scheduler_bench.py", "perf/step_timing.py", "perf/serve_bench.py", "perf/cpu_ops_bench.py",
-           "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "demos/demos.py",
-           "make_results.py", "numerics/bf16_agreement.py", "numerics/sdpa_numerics.py", "numerics/norm_numerics.py",
-           "numerics/softmax_numerics.py"]
+           "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py",
+           "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/sdpa_numerics.py",
+           "numerics/norm_numerics.py", "numerics/softmax_numerics.py"]
 
 
 def test_the_script_list_covers_bench():

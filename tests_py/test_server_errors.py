@@ -156,8 +156,11 @@ def test_limits_of_n_and_logprobs(client, model):
 
 
 def test_unsupported_options(client, model):
-    expect_error(lambda: client.completions.create(model=model, prompt=PROMPT, max_tokens=2, logit_bias={"1": 5}),
+    expect_error(lambda: client.completions.create(model=model, prompt=PROMPT, max_tokens=2, logit_bias={"1": 500}),
                  400, param="logit_bias")
+    expect_error(lambda: client.completions.create(model=model, prompt=PROMPT, max_tokens=2,
+                                                   extra_body={"use_beam_search": True}),
+                 400, param="use_beam_search", match="not supported")
     expect_error(lambda: client.completions.create(model=model, prompt=PROMPT, max_tokens=2, suffix="end"), 400,
                  param="suffix")
     expect_error(lambda: client.completions.create(model=model, prompt=[[1, 2, 10 ** 9]], max_tokens=2), 400,

@@ -13,6 +13,9 @@ def __getattr__(name):
     if name == "SamplingParams":
         from pagedserve.sampling_params import SamplingParams
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from pagedserve.sampling_params import StructuredOutputsParams
+        return StructuredOutputsParams
     if name == "LLMEngine":
         from pagedserve.engine.engine import LLMEngine
         return LLMEngine
@@ -25,4 +28,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "_core"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "LLMEngine", "EngineConfig", "RequestOutput", "CompletionOutput", "_core"]

@@ -15,7 +15,7 @@ import logging
 import sys
 
 from pagedserve import __version__
-from pagedserve.cli_args import add_sampling_args, add_verbose
+from pagedserve.cli_args import add_chat_template_arg, add_sampling_args, add_verbose
 from pagedserve.engine_config import add_engine_args
 
 # The exit status of a command stopped by Ctrl-C (128 + SIGINT), as shells report it.
@@ -59,7 +59,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from pagedserve.cli_chat import run_chat
     from pagedserve.cli_run import check_args, load_engine
 
+    from pagedserve.cli_args import read_chat_template
+
     overrides = check_args(args)
+    read_chat_template(args.chat_template)  # a missing file fails before the model loads
     return run_chat(load_engine(args, overrides).engine, args, overrides)
 
 
@@ -92,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = command("chat", "interactive chat in the terminal (Ctrl-C stops a reply, exit or Ctrl-D leaves)",
                    cmd_chat)
     chat.add_argument("--system", default=None, metavar="TEXT", help="system prompt (default: the chat template's)")
+    add_chat_template_arg(chat)
     add_sampling_args(chat, max_tokens=256)
     add_engine_args(chat)
 

@@ -53,6 +53,31 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     g.add_argument("--ignore-eos", action="store_true", default=None, help="keep generating past end-of-sequence")
 
 
+def add_chat_template_arg(parser) -> None:
+    """--chat-template FILE of `chat` and `serve` (`generate --chat-template` is a switch of its own)."""
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="Jinja chat template to use instead of the model's: a file, or the template text "
+                             "itself (default: the model's)")
+
+
+def read_chat_template(value: Optional[str]) -> Optional[str]:
+    """The template text --chat-template names (a file, or inline Jinja); None when unset.
+    Raises ValueError naming the flag for a file that cannot be read."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--chat-template: cannot read {value!r}: {err}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: no such file {value!r} (and it is not a Jinja template)")
+
+
 def add_verbose(parser: argparse.ArgumentParser, top_level: bool) -> None:
     """-v on the top-level parser and on each subcommand (`pagedserve generate -v ...`)."""
     parser.add_argument("-v", "--verbose", action="store_true", default=False if top_level else argparse.SUPPRESS,

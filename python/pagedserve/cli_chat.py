@@ -24,7 +24,10 @@ def run_chat(engine, args: argparse.Namespace, overrides: dict[str, Any], out: O
              err: Optional[TextIO] = None) -> int:
     from pagedserve.engine.tokenizer import apply_chat_template
 
+    from pagedserve.cli_args import read_chat_template
+
     info = engine.info()
+    chat_template = read_chat_template(getattr(args, "chat_template", None))
     params = engine_sampling_params(engine, overrides)
     out = out or Output()
     err = err or sys.stderr
@@ -60,7 +63,8 @@ def run_chat(engine, args: argparse.Namespace, overrides: dict[str, Any], out: O
         try:
             from pagedserve.engine.validation import check_text
             check_text(line)
-            ids = apply_chat_template(info.tokenizer, history, add_generation_prompt=True)
+            ids = apply_chat_template(info.tokenizer, history, add_generation_prompt=True,
+                                      chat_template=chat_template)
             reply = stream_reply(engine, f"chat-{turn}", {"prompt_token_ids": ids}, params, out)
         except ValueError as error:  # e.g. the conversation outgrew max_model_len
             out.end_line()

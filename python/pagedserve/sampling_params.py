@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from pagedserve.errors import RequestError
 
@@ -25,6 +25,9 @@ ADDITIVE_PENALTY_RANGE = (-2.0, 2.0)
 # model's generation_config.json sets none: mild randomness, and a repetition penalty that keeps small models
 # (the default SmolLM2-135M) from looping. The SamplingParams class keeps vLLM's own defaults.
 DEFAULT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
+
+# OpenAI's range for a logit_bias value.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 # top_k values that mean "consider the whole vocabulary" (vLLM accepts both).
 TOP_K_DISABLED = 0
@@ -49,13 +52,20 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: Optional[int] = None  # top-N raw logprobs per sampled token; 0: the sampled one only
     skip_special_tokens: bool = True
+    # Logits processors, applied before every other sampling parameter (vLLM's names):
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: Optional[list[int]] = None  # only these may be sampled
+    bad_words: Optional[list[str]] = None  # never completed (token sequences, with and without a leading space)
+    structured_outputs: Optional["StructuredOutputsParams"] = None  # grammar-constrained output
 
     def __post_init__(self) -> None:
         self._normalize()
+        self._check_structured_outputs()
         self._check_counts()
         self._check_distribution_shaping()
         self._check_penalties()
         self._check_stops()
+        self._check_logits_processors()
         if self.greedy:
             self._disable_truncation_for_greedy()
 
@@ -67,6 +77,11 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+    @property
+    def has_logits_processors(self) -> bool:
+        """True when logit_bias, allowed_token_ids or bad_words change the logits."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
 
     @property
     def top_k_enabled(self) -> bool:
@@ -145,11 +160,121 @@ class SamplingParams:
             if t < 0:
                 raise RequestError(f"stop_token_ids must be non-negative, got {t}", "stop_token_ids")
 
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if isinstance(so, dict):
+            try:
+                so = self.structured_outputs = StructuredOutputsParams(**so)
+            except TypeError as err:
+                raise RequestError(f"structured_outputs: {err}", "structured_outputs") from None
+        if not isinstance(so, StructuredOutputsParams):
+            raise RequestError(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}",
+                               "structured_outputs")
+
+    def _check_logits_processors(self) -> None:
+        # bad_words as token id sequences: set by the engine from its tokenizer (engine/tokenizer.py).
+        self.bad_words_token_ids: Optional[list[list[int]]] = None
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise RequestError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}",
+                                   "logit_bias")
+            low, high = LOGIT_BIAS_RANGE
+            bias = {}
+            for token, value in self.logit_bias.items():
+                if isinstance(token, str) and token.strip().isdigit():
+                    token = int(token)  # JSON object keys are strings (OpenAI sends {"50256": -100})
+                _require_int("logit_bias", token)
+                if token < 0:
+                    raise RequestError(f"logit_bias token ids must be non-negative, got {token}", "logit_bias")
+                _require_finite("logit_bias", value)
+                if not low <= value <= high:
+                    raise RequestError(f"logit_bias values must be in [{low:g}, {high:g}], got {value} "
+                                       f"for token {token}", "logit_bias")
+                bias[token] = float(value)
+            self.logit_bias = bias
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+                raise RequestError(f"allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r}",
+                                   "allowed_token_ids")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise RequestError("allowed_token_ids must not be empty", "allowed_token_ids")
+            for t in self.allowed_token_ids:
+                _require_int("allowed_token_ids", t)
+                if t < 0:
+                    raise RequestError(f"allowed_token_ids must be non-negative, got {t}", "allowed_token_ids")
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str):
+                self.bad_words = [self.bad_words]
+            self.bad_words = list(self.bad_words)
+            for w in self.bad_words:
+                if not isinstance(w, str) or not w.strip():
+                    raise RequestError(f"bad_words must hold non-empty strings, got {w!r}", "bad_words")
+
     def _disable_truncation_for_greedy(self) -> None:
         # Truncation cannot change an argmax; resetting keeps the sampler's fast path.
         self.top_p = 1.0
         self.top_k = TOP_K_DISABLED
         self.min_p = 0.0
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrains a request's output to a grammar; exactly one kind is set (vLLM's names).
+    json: a JSON schema (dict or JSON text); regex; choice: the output is one of these strings;
+    grammar: an EBNF (GBNF) grammar; json_object: any JSON object. The engine compiles it when
+    the request is added (pagedserve.engine.grammar); one that does not compile is a RequestError."""
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[Any] = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise RequestError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object "
+                               f"(got {', '.join(kinds) if kinds else 'none'})", "structured_outputs")
+        if self.structural_tag is not None:
+            raise RequestError("structured_outputs.structural_tag is not supported yet", "structured_outputs",
+                               "unsupported")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise RequestError("structured_outputs.json must be a JSON schema (a dict or JSON text)",
+                               "structured_outputs")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RequestError(f"structured_outputs.{name} must be a non-empty string", "structured_outputs")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise RequestError("structured_outputs.choice must be a non-empty list of non-empty strings",
+                                   "structured_outputs")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object is not None and self.json_object is not True:
+            raise RequestError("structured_outputs.json_object must be true", "structured_outputs")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> tuple:
+        """A hashable key naming the compiled grammar this spec gives."""
+        import json as _json
+
+        value = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):
+            value = _json.dumps(value, sort_keys=True)
+        return (self.kind, value, self.disable_any_whitespace)
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def _require_int(name: str, value: object) -> None:

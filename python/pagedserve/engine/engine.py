@@ -25,11 +25,12 @@ from typing import Iterable, Optional, Union
 import numpy as np
 
 from pagedserve import _core
+from pagedserve.engine.grammar import Grammars
 from pagedserve.engine.info import EngineInfo
 from pagedserve.engine.request import Request
 from pagedserve.engine.sequences import REJECTED_ERROR, Sequences
 from pagedserve.engine.snapshot import engine_snapshot
-from pagedserve.engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer
+from pagedserve.engine.tokenizer import bad_words_token_ids, encode_prompt, eos_token_ids, load_tokenizer
 from pagedserve.engine.validation import EngineLimits, check_text, validate_request
 from pagedserve.engine_config import EngineConfig, resolve_defaults
 from pagedserve.errors import RequestError
@@ -74,6 +75,8 @@ class LLMEngine:
         self._unscheduled: dict[int, Request] = {}  # first sequence of requests not yet scheduled
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.grammars = Grammars(model_dir, self.model_config.vocab_size, self.eos_token_ids,  # structured outputs
+                                 self.config.max_num_seqs, pin_memory=self.worker.device.type == "cuda")
 
     def info(self) -> EngineInfo:
         return EngineInfo(model_name=self._model_dir.name, model_path=self._model_dir, device=str(self.worker.device),
@@ -96,7 +99,10 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id", "duplicate_id")
         text, token_ids = self._tokenize(prompt)
         token_ids = validate_request(token_ids, params, self.limits)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         request = Request(request_id, text, token_ids, params, self.tokenizer, arrival_time, stream)
+        self.grammars.attach(request, self.tokenizer is not None)  # compiles it: may raise RequestError
         request.samples[0].generator = self.worker.sampler.generator_for(params, 0)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         seq_id = self.scheduler.add_sequence(
@@ -137,7 +143,7 @@ class LLMEngine:
         """Runs one step; returns the outputs it produced (see add_request's `stream`)."""
         out = self.scheduler.schedule()
         self._note_schedule(out)
-        pending = self.worker.execute_async(out, self._sampling_rows(out)) if out.num_seqs else None
+        pending = self._launch(out) if out.num_seqs else None
         outputs = self._emit_outputs()  # overlaps the device's work on this step
         sampled = pending.result() if pending is not None else _NO_SAMPLES
         result = self.scheduler.update(np.asarray(sampled.token_ids, dtype=np.int32))
@@ -163,12 +169,22 @@ class LLMEngine:
                     request.metrics.first_scheduled_time = now
                     request.num_cached_tokens = int(positions[qsl[row]])
 
-    def _sampling_rows(self, out) -> list:
-        rows = []
+    def _launch(self, out):
+        """The step on the device, with the structured-output token mask of its rows (filled on the host
+        once the forward is queued: on CUDA while the device runs it)."""
+        rows, matchers = self._sampling_rows(out)
+        mask = (lambda: self.grammars.fill_bitmask(matchers)) if matchers else None
+        return self.worker.execute_async(out, rows, mask)
+
+    def _sampling_rows(self, out) -> tuple[list, list]:
+        rows, matchers = [], []
         for row, n in zip(out.sample_rows.tolist(), out.num_samples.tolist()):
             request, index = self._sequences[out.seq_ids[row]]
+            grammar = request.samples[index].grammar
+            if grammar is not None:
+                matchers.append((len(rows), grammar))
             rows.append(request.sampling_row(index, n))
-        return rows
+        return rows, matchers
 
     def _record_tokens(self, out, sampled: SamplerOutput, result) -> None:
         """update()'s tokens onto their samples: cheap bookkeeping the next step's sampler needs."""
@@ -191,6 +207,9 @@ class LLMEngine:
         self.num_generation_tokens_total += k
         for f in result.finished:
             self._untext(self._sequences.ended(f.seq_id, f.reason, f.stop_token))
+        for request, sample in self.grammars.take_ended():  # a grammar that terminated ends its sequence
+            self._sequences.stop(sample)
+            self._untext(request)
 
     def _add_token(self, owner: tuple[Request, int], token: int, logprob, now: float) -> None:
         request, index = owner
@@ -203,6 +222,8 @@ class LLMEngine:
         metrics.last_token_time = now
         entry = self._logprob_entry(logprob) if logprob is not None and sample.logprobs is not None else None
         sample.add_token(token, entry, logprob.logprob if entry else 0.0)
+        if sample.grammar is not None:
+            self.grammars.accept(request, sample, token)
         if sample.incremental:  # others get their text once, when they end
             self._untext(request)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -35,6 +35,7 @@ class Sample:
     seq_id: Optional[int] = None  # its scheduler sequence while that lives
     generator: Optional[torch.Generator] = None  # a seeded request's noise source for this sample
     row: Optional[SamplingRow] = None  # what the sampler needs, built once
+    grammar: Optional[Any] = None  # its xgrammar GrammarMatcher (structured outputs; engine/grammar.py)
     token_ids: list[int] = field(default_factory=list)
     num_detokenized: int = 0
     text: str = ""

@@ -41,22 +41,65 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return ids
 
 
+# apply_chat_template's own arguments: chat_template_kwargs may not set them.
+CHAT_TEMPLATE_RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "tokenize", "add_generation_prompt",
+    "continue_final_message", "chat_template", "return_dict", "return_tensors", "padding", "truncation",
+    "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
-                        add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a chat rendered with the model's template.
+                        add_generation_prompt: bool = True, *, chat_template: Optional[str] = None,
+                        continue_final_message: bool = False,
+                        chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
+    """Token ids of a chat rendered with the model's template (or `chat_template`, its text).
 
     The template writes every special token itself (BOS included), so the
-    rendered text is encoded without adding any.
+    rendered text is encoded without adding any. continue_final_message leaves
+    the last (assistant) message open for the model to continue; it excludes
+    add_generation_prompt. chat_template_kwargs become template variables
+    (e.g. enable_thinking).
     """
-    if getattr(tokenizer, "chat_template", None) is None:
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    if continue_final_message and (not messages or not isinstance(messages[-1], Mapping)
+                                   or messages[-1].get("role") != "assistant"):
+        raise ValueError("continue_final_message needs the last message to be the assistant's")
+    kwargs = dict(chat_template_kwargs or {})
+    for key in kwargs:
+        if not isinstance(key, str) or key in CHAT_TEMPLATE_RESERVED_KWARGS:
+            raise ValueError(f"chat_template_kwargs may not set {key!r}")
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"the tokenizer {tokenizer.name_or_path!r} has no chat template: "
                          "send a plain-text prompt (completions) instead of messages")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message:
             raise ValueError(f"messages[{i}] must be a mapping with a 'role', got {message!r}")
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     text = tokenizer.apply_chat_template(list(messages), tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def bad_words_token_ids(tokenizer: Optional[PreTrainedTokenizerBase], words: Sequence[str]) -> list[list[int]]:
+    """The token sequences SamplingParams.bad_words forbids (vLLM's rule): each word encoded on its
+    own and after a space (as it reads mid-text), without special tokens, repeats dropped.
+    Raises RequestError without a tokenizer."""
+    if tokenizer is None:
+        from pagedserve.errors import RequestError
+
+        raise RequestError("bad_words needs a tokenizer, and this model directory has none", "bad_words",
+                           "no_tokenizer")
+    sequences: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase,

@@ -64,6 +64,8 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, li
         raise RequestError("the prompt is empty", "prompt", "empty_prompt")
     ids = check_token_ids(prompt_token_ids, limits.vocab_size)
     check_token_ids(params.stop_token_ids or [], limits.vocab_size, "stop_token_ids")
+    check_token_ids(list(params.logit_bias or ()), limits.vocab_size, "logit_bias")
+    check_token_ids(params.allowed_token_ids or [], limits.vocab_size, "allowed_token_ids")
     _check_length(len(ids), params, limits.max_model_len)
     if limits.max_num_seqs is not None and params.n > limits.max_num_seqs:
         raise RequestError(f"n={params.n} is more than max_num_seqs ({limits.max_num_seqs})", "n", "too_many")

@@ -1,7 +1,8 @@
 """The batched sampler: one call per step turns [R, V] logits into token ids.
 
 Order of operations (vLLM v1's): raw logprobs are taken from the unprocessed
-logits; then min_tokens masking -> repetition penalty -> frequency/presence
+logits; then allowed_token_ids -> bad_words -> logit_bias -> min_tokens masking ->
+repetition penalty -> frequency/presence
 penalties -> greedy rows take the argmax -> temperature -> min_p -> top_k ->
 top_p -> an exponential race draws the token. A row asking for n samples is
 processed once and raced n times with independent noise.
@@ -25,8 +26,8 @@ import numpy as np
 import torch
 
 from pagedserve import ops
-from pagedserve.sample.sampling_ops import (apply_min_p_, apply_min_tokens, apply_penalties,
-                                     apply_top_k_top_p_, exponential_race)
+from pagedserve.sample.sampling_ops import (apply_logits_processors, apply_min_p_, apply_min_tokens,
+                                            apply_penalties, apply_top_k_top_p_, exponential_race)
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sample.sampling_tensors import SamplingBatch, SamplingRow, build_sampling_batch
 
@@ -115,17 +116,25 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         return self.launch(logits, rows).result()
 
-    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> "PendingSamples":
-        """Queues the sampling on the logits' device; result() waits for the ids on the host."""
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar=None) -> "PendingSamples":
+        """Queues the sampling on the logits' device; result() waits for the ids on the host.
+        `grammar` (sample.grammar_mask.GrammarMask, optional): the structured-output token bitmask,
+        applied before any sampling parameter (on a copy: the caller's logits stay unmodified)."""
         self._check_inputs(logits, rows)
         logits = logits[:, :self.vocab_size]
         if not rows:
             return PendingSamples.ready(SamplerOutput(token_ids=[], logprobs=None))
+        if grammar is not None:
+            from pagedserve.sample.grammar_mask import apply_mask
+
+            logits = apply_mask(logits, grammar)
         if self._is_plain_temperature(rows):
             return self._launch_gumbel_max(logits, rows)
         batch = build_sampling_batch(rows, self.vocab_size, self.eos_token_ids, self.device)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs is not None else None
+        if batch.processors is not None:
+            logits = apply_logits_processors(logits, batch.processors)
         if batch.min_tokens_block is not None:
             logits = apply_min_tokens(logits, batch.min_tokens_block)
         if batch.penalties is not None:
@@ -187,7 +196,7 @@ class Sampler:
         no truncation, penalties, logprobs, parallel samples or min_tokens masking."""
         for row in rows:
             p = row.params
-            if row.num_samples != 1 or p.has_penalties or p.logprobs is not None:
+            if row.num_samples != 1 or p.has_penalties or p.logprobs is not None or p.has_logits_processors:
                 return False
             blocks_eos = bool(self.eos_token_ids) and not p.ignore_eos  # as _min_tokens_block decides
             if len(row.output_token_ids) < p.min_tokens and (p.stop_token_ids or blocks_eos):

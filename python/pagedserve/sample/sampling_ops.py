@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from pagedserve.sample.sampling_tensors import PenaltyTokens
+from pagedserve.sample.sampling_tensors import LogitsProcessors, PenaltyTokens
 
 NEG_INF = float("-inf")
 
@@ -22,6 +22,25 @@ def apply_min_tokens(logits: torch.Tensor, blocked: torch.Tensor) -> torch.Tenso
     # torch.full fills on the device; a tensor built from a Python float would be a host copy.
     forbidden = torch.full((), NEG_INF, device=logits.device, dtype=logits.dtype)
     return logits.index_put((blocked[0], blocked[1]), forbidden)
+
+
+def apply_logits_processors(logits: torch.Tensor, processors: LogitsProcessors) -> torch.Tensor:
+    """allowed_token_ids (everything else -inf), bad words (-inf), then logit_bias (added)."""
+    forbidden = torch.full((), NEG_INF, device=logits.device, dtype=logits.dtype)
+    if processors.allowed_rows is not None:
+        assert processors.allowed is not None
+        disallowed = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        disallowed[processors.allowed_rows] = True
+        keep = torch.zeros((), dtype=torch.bool, device=logits.device)
+        disallowed.index_put_((processors.allowed[0], processors.allowed[1]), keep)
+        logits = logits.masked_fill(disallowed, NEG_INF)
+    if processors.banned is not None:
+        logits = logits.index_put((processors.banned[0], processors.banned[1]), forbidden)
+    if processors.bias_index is not None:
+        assert processors.bias is not None
+        logits = logits.index_put((processors.bias_index[0], processors.bias_index[1]),
+                                  processors.bias.to(logits.dtype), accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, penalties: PenaltyTokens) -> torch.Tensor:

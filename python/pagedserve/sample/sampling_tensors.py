@@ -46,6 +46,18 @@ class PenaltyTokens:
 
 
 @dataclass
+class LogitsProcessors:
+    """logit_bias, allowed_token_ids and bad_words of the rows that use them, as sparse
+    (row, token) index pairs: the [R, V] logits are touched only where a row asked."""
+
+    allowed_rows: Optional[torch.Tensor]  # [A] rows restricted to their allowed_token_ids
+    allowed: Optional[torch.Tensor]  # [2, K] (row, token) pairs those rows may sample
+    banned: Optional[torch.Tensor]  # [2, M] (row, token) pairs a bad word forbids now
+    bias_index: Optional[torch.Tensor]  # [2, B] (row, token) pairs with a logit_bias
+    bias: Optional[torch.Tensor]  # [B] float32 biases
+
+
+@dataclass
 class SeededSamples:
     """Samples ``[start, start + count)`` draw their noise from ``generator``."""
 
@@ -67,6 +79,7 @@ class SamplingBatch:
     top_p: Optional[torch.Tensor]  # [R, 1]; None when no row uses top_p
     penalties: Optional[PenaltyTokens]
     min_tokens_block: Optional[torch.Tensor]  # [2, M] (row, token) pairs to mask
+    processors: Optional[LogitsProcessors]  # None when no row uses logit_bias / allowed_token_ids / bad_words
     sample_rows: Optional[torch.Tensor]  # [S] row of each sample; None when S == R
     sample_rows_host: list[int]
     seeded: list[SeededSamples]
@@ -89,6 +102,8 @@ def build_sampling_batch(rows: Sequence[SamplingRow], vocab_size: int,
         **_shaping_tensors(params, vocab_size, device, all_greedy),
         penalties=_penalty_tokens(rows, vocab_size, device),
         min_tokens_block=_min_tokens_block(rows, vocab_size, eos_token_ids, device),
+        processors=(_logits_processors(rows, vocab_size, device)
+                    if any(p.has_logits_processors for p in params) else None),
         sample_rows=(None if len(sample_rows_host) == len(rows)
                      else _to_device(torch.tensor(sample_rows_host, dtype=torch.int64), device)),
         sample_rows_host=sample_rows_host,
@@ -164,6 +179,38 @@ def _min_tokens_block(rows: Sequence[SamplingRow], vocab_size: int, eos_token_id
     if not pairs:
         return None
     return _to_device(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), device)
+
+
+def _logits_processors(rows: Sequence[SamplingRow], vocab_size: int,
+                       device: torch.device) -> LogitsProcessors:
+    allowed_rows: list[int] = []
+    allowed: list[tuple[int, int]] = []
+    banned: list[tuple[int, int]] = []
+    bias_index: list[tuple[int, int]] = []
+    bias: list[float] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.allowed_token_ids is not None:
+            allowed_rows.append(i)
+            allowed.extend((i, t) for t in set(p.allowed_token_ids) if t < vocab_size)
+        for word in p.bad_words_token_ids or ():
+            # The word's last token is banned once the output ends with the rest of it.
+            *prefix, last = word
+            if last < vocab_size and (not prefix or list(row.output_token_ids[-len(prefix):]) == prefix):
+                banned.append((i, last))
+        for t, b in (p.logit_bias or {}).items():
+            if t < vocab_size:
+                bias_index.append((i, t))
+                bias.append(b)
+
+    def pairs(items: list[tuple[int, int]]) -> Optional[torch.Tensor]:
+        if not items:
+            return None
+        return _to_device(torch.tensor(items, dtype=torch.int64).T.contiguous(), device)
+    return LogitsProcessors(
+        allowed_rows=_to_device(torch.tensor(allowed_rows, dtype=torch.int64), device) if allowed_rows else None,
+        allowed=pairs(allowed), banned=pairs(banned), bias_index=pairs(bias_index),
+        bias=_to_device(torch.tensor(bias, dtype=torch.float32), device) if bias else None)
 
 
 def _seeded_samples(rows: Sequence[SamplingRow]) -> list[SeededSamples]:

@@ -24,8 +24,11 @@ from typing import Callable, Optional
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
-from pagedserve.server.args import check_server_args, with_server_defaults
+from pagedserve.cli_args import read_chat_template
+from pagedserve.server.args import (check_server_args, parse_allowed_origins, served_model_names,
+                                    with_server_defaults)
 from pagedserve.server.async_engine import AsyncEngine
 from pagedserve.server.connections import (BindError, GuardedH11Protocol, RateLimitedLog, RateLimitFilter,
                                            bind_socket, loop_exception_handler, raise_open_file_limit, socket_url)
@@ -70,6 +73,9 @@ def build_app(ctx: ServerContext, on_startup: Optional[Callable[[asyncio.Abstrac
         app.add_middleware(APIKeyMiddleware, api_key=ctx.api_key)
     elif ctx.allowed_hosts is not None:
         app.add_middleware(HostCheckMiddleware, allowed=ctx.allowed_hosts)
+    if ctx.allowed_origins:  # outermost: preflight OPTIONS is answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=ctx.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in ctx.allowed_origins)
     return app
 
 
@@ -163,6 +169,7 @@ def serve(args: argparse.Namespace, build_engine: Optional[Callable[[], EngineCl
     model failed to load. `build_engine` replaces LLMEngine(config from args) (tests)."""
     args = with_server_defaults(args)
     check_server_args(args)
+    chat_template = read_chat_template(args.chat_template)  # a missing file fails before the port is taken
     build_engine = build_engine or _default_engine(args)
     verbose = getattr(args, "verbose", False)
     _configure_logging(verbose)
@@ -176,7 +183,9 @@ def serve(args: argparse.Namespace, build_engine: Optional[Callable[[], EngineCl
     ctx = ServerContext(AsyncEngine(args.max_num_waiting), api_key=args.api_key,
                         max_request_bytes=args.max_request_bytes, body_timeout_s=args.timeout_body,
                         allowed_hosts=parse_allowed_hosts(args.allowed_hosts, args.host),
-                        served_model_name=args.served_model_name)
+                        served_model_name=(served_model_names(args.served_model_name) or [None])[0],
+                        model_aliases=served_model_names(args.served_model_name)[1:],
+                        allowed_origins=parse_allowed_origins(args.allowed_origins), chat_template=chat_template)
     request_log = RequestLog(log_requests=not args.disable_log_requests, interval_s=args.log_stats_interval)
     flood = RateLimitedLog()
     server: Optional[GracefulServer] = None

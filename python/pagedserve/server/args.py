@@ -13,6 +13,9 @@ back, so serve() also works on a namespace built without these flags.
 from __future__ import annotations
 
 import argparse
+from typing import Optional
+
+from pagedserve.cli_args import add_chat_template_arg
 
 DEFAULT_PORT = 8000
 
@@ -30,8 +33,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated Host header names answered when no --api-key is set, besides "
                         "localhost, IP addresses and --host; '*' answers any (guards the page against DNS "
                         "rebinding) (default: %(default)s)")
-    g.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="model name in the API (default: %(default)s, the model directory's name)")
+    g.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                   help="model name(s) in the API: the first is the one responses name, any is accepted as "
+                        "'model' and /v1/models lists them all (default: %(default)s, the model "
+                        "directory's name)")
+    g.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                   help="comma-separated origins allowed by CORS ('*' for any); without it no CORS "
+                        "headers are sent (default: %(default)s)")
+    add_chat_template_arg(g)
     g.add_argument("--max-num-waiting", type=int, default=4096, metavar="N",
                    help="sequences (prompts x n) that may wait for the engine; a call beyond gets 503, one "
                         "that could never fit gets 400 (default: %(default)s)")
@@ -75,5 +84,24 @@ def check_server_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be positive, got {getattr(args, name)}")
     if args.log_stats_interval < 0:
         raise ValueError(f"--log-stats-interval must be 0 (off) or positive, got {args.log_stats_interval}")
+    names = args.served_model_name
+    if names is not None and (not names or any(not isinstance(n, str) or not n.strip() for n in
+                                                ([names] if isinstance(names, str) else names))):
+        raise ValueError(f"--served-model-name needs non-empty names, got {names!r}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+
+
+def served_model_names(value) -> list[str]:
+    """--served-model-name as a list ([] when not given; a plain string from code is one name)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def parse_allowed_origins(value: Optional[str]) -> Optional[list[str]]:
+    """--allowed-origins as a list, None when CORS is off."""
+    if value is None:
+        return None
+    origins = [o.strip() for o in value.split(",") if o.strip()]
+    return origins or None

@@ -25,6 +25,9 @@ class ServerContext:
     body_timeout_s: float = 30.0
     allowed_hosts: Optional[set[str]] = None  # None: any Host header (or an API key guards the server)
     served_model_name: Optional[str] = None  # None: the model directory's name, once loaded
+    model_aliases: list[str] = field(default_factory=list)  # further names accepted as "model"
+    allowed_origins: Optional[list[str]] = None  # CORS origins; None: no CORS
+    chat_template: Optional[str] = None  # --chat-template's text; None: the model's own
     started_at: float = field(default_factory=time.time)
     # Set once the model has loaded:
     info: Optional[EngineInfo] = None
@@ -57,9 +60,14 @@ class ServerContext:
         if not self.async_engine.ready or self.info is None:
             raise service_unavailable("the model is still loading", "model_loading")
 
+    @property
+    def served_model_names(self) -> list[str]:
+        """Every name the model answers to, the one responses carry first."""
+        return [self.served_model_name] + [a for a in self.model_aliases if a != self.served_model_name]
+
     def check_model(self, name: Optional[str]) -> None:
-        """None means the served model, as with a single-model vLLM server."""
-        if name is not None and name != self.served_model_name:
+        """None means the served model, as with a single-model vLLM server; any alias is accepted."""
+        if name is not None and name not in self.served_model_names:
             raise model_not_found(name)
 
     async def generate(self, prompts: list[dict], params, request_id: str, arrival_time: float,

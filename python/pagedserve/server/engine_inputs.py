@@ -16,7 +16,8 @@ from typing import Optional, Union
 from pagedserve.engine.validation import EngineLimits, check_text, validate_request
 from pagedserve.errors import RequestError
 from pagedserve.server.errors import bad_request, from_request_error
-from pagedserve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from pagedserve.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields,
+                                        TokenizeRequest)
 
 # Body fields that, when left out, take the model's default (EngineInfo.default_sampling: the model's
 # generation_config.json over pagedserve's defaults), as vLLM does; the rest take the OpenAI defaults.
@@ -56,21 +57,42 @@ def completion_prompts(body: CompletionRequest, tokenizer) -> list[dict]:
     return prompts
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer) -> dict:
-    """The conversation rendered with the model's chat template, as an engine prompt dict."""
+def chat_prompt(body: Union[ChatCompletionRequest, TokenizeRequest], tokenizer,
+                chat_template: Optional[str] = None) -> dict:
+    """The conversation rendered with the model's chat template (or the server's --chat-template),
+    as an engine prompt dict."""
     if not body.messages:
         raise bad_request("'messages' is empty: send at least one message", "messages")
     require_tokenizer(tokenizer, "chat messages")
-    ids = render_chat(tokenizer, body.messages, body.add_generation_prompt)
+    from pagedserve.engine.tokenizer import CHAT_TEMPLATE_RESERVED_KWARGS
+
+    for key in body.chat_template_kwargs or {}:
+        if key in CHAT_TEMPLATE_RESERVED_KWARGS:
+            raise bad_request(f"chat_template_kwargs may not set {key!r}", "chat_template_kwargs")
+    if body.continue_final_message:
+        if body.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the assistant's",
+                              "continue_final_message")
+        if body.add_generation_prompt and "add_generation_prompt" in body.model_fields_set:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+    # continue_final_message leaves the last message open, so the generation prompt is off (as vLLM needs).
+    add_generation_prompt = body.add_generation_prompt and not body.continue_final_message
+    ids = render_chat(tokenizer, body.messages, add_generation_prompt, chat_template,
+                      body.continue_final_message, body.chat_template_kwargs)
     return {"prompt": None, "prompt_token_ids": ids}
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                chat_template: Optional[str] = None, continue_final_message: bool = False,
+                chat_template_kwargs: Optional[dict] = None) -> list[int]:
     from pagedserve.engine.tokenizer import apply_chat_template
 
     dicts = [message_dict(m, i) for i, m in enumerate(messages)]
     try:
-        return apply_chat_template(tokenizer, dicts, add_generation_prompt=add_generation_prompt)
+        return apply_chat_template(tokenizer, dicts, add_generation_prompt=add_generation_prompt,
+                                   chat_template=chat_template, continue_final_message=continue_final_message,
+                                   chat_template_kwargs=chat_template_kwargs)
     except ValueError as err:
         raise bad_request(str(err), "messages") from err
     except Exception as err:  # a template may raise anything (jinja2 errors) on a conversation it rejects
@@ -118,10 +140,10 @@ def sampling_params(body: SamplingFields, max_tokens: Optional[int], logprobs: O
     MODEL_DEFAULT_FIELDS says so. Raises RequestError naming the field out of range."""
     from pagedserve.sampling_params import SamplingParams
 
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     for i, s in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
         _check_text(s, "stop" if isinstance(body.stop, str) else f"stop[{i}]", "stop")
+    for i, word in enumerate(body.bad_words or []):
+        _check_text(word, f"bad_words[{i}]", "bad_words")
     shaping = {name: getattr(body, name) for name in MODEL_DEFAULT_FIELDS}
     for name, value in list(shaping.items()):
         if value is None:
@@ -134,7 +156,53 @@ def sampling_params(body: SamplingFields, max_tokens: Optional[int], logprobs: O
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
         include_stop_str_in_output=body.include_stop_str_in_output, ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens)
+        min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
+        logit_bias=body.logit_bias or None, allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
+        structured_outputs=structured_outputs(body))
+
+
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag",
+                    "disable_any_whitespace")
+
+
+def structured_outputs(body: SamplingFields):
+    """The StructuredOutputsParams a body asks for (response_format, structured_outputs or a guided_*
+    field; at most one of them), or None. The engine compiles it when the request is added."""
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    found: dict[str, dict] = {}
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found["response_format"] = {"json_object": True}
+        elif rf.type == "json_schema":
+            js = rf.json_schema
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise bad_request("response_format json_schema needs json_schema.schema (a JSON schema object)",
+                                  "response_format")
+            found["response_format"] = {"json": js["schema"]}
+        else:
+            raise bad_request(f"response_format {rf.type!r} is not supported (text, json_object, json_schema)",
+                              "response_format")
+    if body.structured_outputs is not None:
+        unknown = sorted(set(body.structured_outputs) - set(_STRUCTURED_KEYS))
+        if unknown:
+            raise bad_request(f"structured_outputs: unsupported key(s) {', '.join(unknown)}", "structured_outputs")
+        found["structured_outputs"] = dict(body.structured_outputs)
+    for name, kind in _GUIDED_FIELDS.items():
+        if getattr(body, name) is not None:
+            found[name] = {kind: getattr(body, name)}
+    if not found:
+        return None
+    if len(found) > 1:
+        raise bad_request(f"send one of {', '.join(found)}, not several", next(iter(found)))
+    (field, spec), = found.items()
+    try:
+        return StructuredOutputsParams(**spec)
+    except RequestError as err:
+        raise from_request_error(err, field) from None
 
 
 def check_completion_options(body: CompletionRequest) -> None:
@@ -147,11 +215,10 @@ def check_completion_options(body: CompletionRequest) -> None:
 
 
 def check_chat_options(body: ChatCompletionRequest) -> None:
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(f"response_format {body.response_format.type!r} is not supported (only 'text')",
-                          "response_format")
     if body.tools:
         raise bad_request("tools are not supported", "tools")
+    if body.tool_choice is not None and body.tool_choice != "none":
+        raise bad_request("tool_choice is not supported (tools are not)", "tool_choice")
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 

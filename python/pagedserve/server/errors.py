@@ -125,6 +125,9 @@ def _validation_message(err: RequestValidationError) -> tuple[str, Optional[str]
     param = ".".join(loc) if loc else None
     if first.get("type") == "missing":
         return f"'{param}' is required", param
+    if first.get("type") == "extra_forbidden":
+        return (f"'{param}' is not supported by this server (see the README's table of OpenAI and vLLM "
+                f"request fields)", param)
     got = first.get("input")
     shown = json.dumps(got)[:80] if _jsonable(got) else repr(got)[:80]
     where = f"'{param}'" if param else "the request body"

@@ -2,9 +2,9 @@
 extra sampling fields vLLM accepts (top_k, min_p, repetition_penalty,
 min_tokens, ignore_eos, stop_token_ids, ...).
 
-Unknown fields are ignored (vLLM does the same), so clients written for newer
-API versions keep working; known fields of the wrong type or out of range
-are 400s. Types are strict: "max_tokens": "2" or "stream": "yes" is refused,
+Unknown fields are 400s naming the field (a null one is dropped): nothing a
+client sends is silently ignored. Known fields of the wrong type or out of
+range are 400s too. Types are strict: "max_tokens": "2" or "stream": "yes" is refused,
 not guessed at (an integer is still a valid number). Integers that cross into
 C++ are bounded to int32 here, so they never reach the bindings; ranges that
 SamplingParams already enforces are not repeated: its messages reach the
@@ -13,9 +13,9 @@ client unchanged.
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pagedserve.engine.validation import INT32_MAX
 
@@ -26,11 +26,25 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # A field the server does not implement is a 400 naming it (README: "OpenAI and vLLM request fields"),
+    # never a 200 that ignored it; an unknown field sent as null means "not set" and is dropped.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_unknown_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k in cls.model_fields}
+        return data
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class ResponseFormat(_Body):
+    type: str
+    json_schema: Optional[dict] = None  # {"name", "schema", "strict", "description"} for type "json_schema"
 
 
 class SamplingFields(_Body):
@@ -57,6 +71,15 @@ class SamplingFields(_Body):
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict] = None
+    guided_json: Optional[Union[str, dict]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
 
     @property
     def include_usage(self) -> bool:
@@ -81,20 +104,17 @@ class ChatMessage(_Body):
     name: Optional[str] = None
 
 
-class ResponseFormat(_Body):
-    type: str
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: Optional[int] = Field(None, ge=1, le=INT32_MAX)
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: Optional[ResponseFormat] = None
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Union[str, dict]] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict] = None
 
 
 class TokenizeRequest(_Body):
@@ -103,6 +123,8 @@ class TokenizeRequest(_Body):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict] = None
 
 
 class DetokenizeRequest(_Body):

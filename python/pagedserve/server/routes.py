@@ -10,7 +10,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from pagedserve.engine.validation import check_text, check_token_ids
 from pagedserve.server.context import ServerContext
-from pagedserve.server.engine_inputs import render_chat, require_tokenizer
+from pagedserve.server.engine_inputs import chat_prompt, require_tokenizer
 from pagedserve.server.engine_state import read_engine_state
 from pagedserve.server.errors import bad_request
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST
@@ -36,13 +36,33 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @router.get("/ping")
+    async def ping() -> JSONResponse:
+        return await health()
+
+    @router.post("/ping")
+    async def ping_post() -> JSONResponse:  # vLLM answers both, as SageMaker sends POST
+        return await health()
+
+    @router.get("/version")
+    async def version() -> JSONResponse:
+        from pagedserve import __version__
+        return JSONResponse({"version": __version__})
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(ctx.started_at), "owned_by": "pagedserve",
+                "root": ctx.served_model_name, "parent": None, "max_model_len": ctx.limits.max_model_len}
+
     @router.get("/v1/models")
     async def models() -> JSONResponse:
         ctx.require_ready()
-        return JSONResponse({"object": "list", "data": [{
-            "id": ctx.served_model_name, "object": "model", "created": int(ctx.started_at),
-            "owned_by": "pagedserve", "root": ctx.served_model_name, "parent": None,
-            "max_model_len": ctx.limits.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [model_card(n) for n in ctx.served_model_names]})
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        ctx.require_ready()
+        ctx.check_model(model_id)
+        return JSONResponse(model_card(model_id))
 
     @router.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -98,6 +118,6 @@ def _tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict:
         ids = encode_prompt(ctx.tokenizer, body.prompt) if body.add_special_tokens else \
             list(ctx.tokenizer.encode(body.prompt, add_special_tokens=False))
     else:
-        ids = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt)
+        ids = chat_prompt(body, ctx.tokenizer, ctx.chat_template)["prompt_token_ids"]
     return {"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids,
             "token_strs": ctx.tokenizer.convert_ids_to_tokens(ids)}

@@ -30,7 +30,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     ctx.require_ready()
     ctx.check_model(body.model)
     check_chat_options(body)
-    prompt = chat_prompt(body, ctx.tokenizer)
+    prompt = chat_prompt(body, ctx.tokenizer, ctx.chat_template)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = chat_logprobs(body)
     params = sampling_params(body, max_tokens, logprobs, ctx.default_sampling)

@@ -34,16 +34,18 @@ class ModelRunner:
         self.torch_threads = torch_threads
 
     @torch.inference_mode()
-    def execute_async(self, step, rows) -> PendingSamples:
+    def execute_async(self, step, rows, grammar=None) -> PendingSamples:
         """Queues `step` (a _core.StepOutput, or any object with its fields) and the sampling of
         `rows` (one SamplingRow per sample row) on the device; the result arrives with
-        PendingSamples.result()."""
+        PendingSamples.result(). `grammar`: the sampler's token mask, or a callable returning it."""
         with _torch_threads(self.torch_threads):
             if step.block_copies.shape[0]:
                 copies = torch.from_numpy(step.block_copies.copy()).to(self.device, non_blocking=True)
                 ops.copy_blocks(self.kv_cache, copies)
             logits = self.compute_logits(step)
-            return self.sampler.launch(logits, rows)
+            if callable(grammar):  # the structured-output mask: filled on the host while the device runs the forward
+                grammar = grammar()
+            return self.sampler.launch(logits, rows, grammar)
 
     def compute_logits(self, step) -> torch.Tensor:
         graph = self.graphs.lookup(step) if self.graphs is not None else None

@@ -61,8 +61,8 @@ class Worker:
                     mc.model_dir.name if mc.model_dir else mc.architecture, device, mc.dtype, plan.num_blocks,
                     plan.block_size, kv_cache.numel() * kv_cache.element_size() / 2**30, plan.max_model_len)
 
-    def execute_async(self, step, rows) -> PendingSamples:
-        return self.runner.execute_async(step, rows)
+    def execute_async(self, step, rows, grammar=None) -> PendingSamples:
+        return self.runner.execute_async(step, rows, grammar)
 
     def _step_inputs(self, config: EngineConfig, max_model_len: int) -> StepInputs:
         return StepInputs(config.max_num_batched_tokens, config.max_num_seqs,

@@ -1,0 +1,25 @@
+"""The structured-output token mask as the sampler takes it (filled by pagedserve.engine.grammar)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class GrammarMask:
+    """A step's host bitmask and the logits rows it applies to (the sampler's `grammar` argument)."""
+
+    def __init__(self, bitmask: torch.Tensor, rows: list[int]):
+        self.bitmask = bitmask  # [>= R, ceil(V / 32)] int32 on the host (pinned when the sampler is on CUDA)
+        self.rows = rows  # the logits rows constrained; the others are left alone
+
+
+def apply_mask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
+    """A float32 copy of `logits` ([R, V], on their device) with the grammar's forbidden tokens at -inf."""
+    import xgrammar as xgr
+
+    out = logits.to(torch.float32, copy=True)
+    bitmask = mask.bitmask[:out.shape[0]]
+    if out.device.type != "cpu":
+        bitmask = bitmask.to(out.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=out.shape[1], indices=mask.rows)
+    return out
