@@ -36,3 +36,17 @@ def default_model_path() -> Path:
     from pagedserve.models.default_model import default_model_dir
 
     return default_model_dir()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official openai client on the module's `server` (a ServerProcess without an API key)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    """The served model's name, as /v1/models gives it."""
+    return client.models.list().data[0].id

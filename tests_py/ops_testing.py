@@ -17,6 +17,14 @@ TOL = {
 }
 
 
+# The devices a sampler or op test runs on: the CPU always, CUDA where a GPU is present.
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def torch_single_thread():
     """Runs the torch oracles single-threaded. torch's intra-op threads spin after every op, and

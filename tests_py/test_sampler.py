@@ -13,15 +13,11 @@ from pagedserve.sample.sampler import Sampler, SampleLogprobs, SamplingRow
 from pagedserve.sample.sampling_ops import apply_min_p_, apply_penalties, apply_top_k_top_p_
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sample.sampling_tensors import build_sampling_batch
+from ops_testing import DEVICES
 
 EOS = 3
 NEG_INF = float("-inf")
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
-]
 
 
 # -- naive references (per row, plain Python) ----------------------------------------

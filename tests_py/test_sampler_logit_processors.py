@@ -13,14 +13,10 @@ from pagedserve.sample.sampler import Sampler, SamplingRow
 from pagedserve.sample.sampling_ops import apply_logits_processors
 from pagedserve.sample.sampling_tensors import build_sampling_batch
 from pagedserve.sampling_params import SamplingParams
+from ops_testing import DEVICES
 
 VOCAB = 40
 NEG_INF = float("-inf")
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
-]
 
 
 def naive(logits: list[float], params: SamplingParams, output: list[int]) -> list[float]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 
-import openai
 import pytest
 import torch
 
@@ -27,16 +26,6 @@ NO_PENALTY = {"repetition_penalty": 1.0}
 def server():
     with ServerProcess("--max-num-seqs", "8") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

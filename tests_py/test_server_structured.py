@@ -28,16 +28,6 @@ def server():
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def test_json_schema_chat(client, model):
     r = client.chat.completions.create(model=model, messages=CHAT, response_format=RESPONSE_FORMAT, n=2,
                                        temperature=0.8, seed=3, max_tokens=96)
