@@ -294,8 +294,3 @@ class LLMEngine:
     def snapshot(self) -> dict:
         """The engine page's view: stats, block map, running and waiting requests."""
         return engine_snapshot(self.scheduler, self._sequences, self.requests, self.stats())
-
-    def request_id_of(self, seq_id: int) -> Optional[str]:
-        """The request a scheduler sequence belongs to; None once it finished or was aborted."""
-        owner = self._sequences.get(seq_id)
-        return owner[0].request_id if owner is not None else None
