@@ -8,9 +8,13 @@
 namespace pagedserve {
 
 BlockTable::BlockTable(BlockTable&& other) noexcept
-    : pool_(other.pool_), blocks_(std::move(other.blocks_)), hashes_(std::move(other.hashes_)) {
+    : pool_(other.pool_),
+      blocks_(std::move(other.blocks_)),
+      hashes_(std::move(other.hashes_)),
+      num_dropped_(other.num_dropped_) {
   other.blocks_.clear();
   other.hashes_.clear();
+  other.num_dropped_ = 0;
 }
 
 BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
@@ -19,8 +23,10 @@ BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
     pool_ = other.pool_;
     blocks_ = std::move(other.blocks_);
     hashes_ = std::move(other.hashes_);
+    num_dropped_ = other.num_dropped_;
     other.blocks_.clear();
     other.hashes_.clear();
+    other.num_dropped_ = 0;
   }
   return *this;
 }
@@ -58,6 +64,7 @@ int32_t BlockTable::blocks_needed(int32_t begin, int32_t end) const {
   const int32_t bs = pool_->block_size();
   const int32_t last_block = (end - 1) / bs;
   int32_t needed = std::max(0, last_block + 1 - num_blocks());
+  PS_CHECK(begin / bs >= num_dropped_, "write range [", begin, ", ", end, ") starts in a dropped block");
   for (int32_t i = begin / bs; i < std::min(last_block + 1, num_blocks()); ++i) {
     if (pool_->refcount(blocks_[static_cast<size_t>(i)]) > 1) ++needed;
   }
@@ -83,11 +90,22 @@ bool BlockTable::prepare_write(int32_t begin, int32_t end, std::vector<BlockCopy
   return true;
 }
 
+void BlockTable::drop_blocks_before(int32_t position) {
+  const int32_t end = std::min(num_blocks(), std::max(0, position) / pool_->block_size());
+  // Last block first, as release() does: the head of a cached prefix is evicted last.
+  for (int32_t i = end - 1; i >= num_dropped_; --i) {
+    pool_->decref(blocks_[static_cast<size_t>(i)]);
+    blocks_[static_cast<size_t>(i)] = kDroppedBlock;
+  }
+  num_dropped_ = std::max(num_dropped_, end);
+}
+
 BlockTable BlockTable::fork() const {
   BlockTable child(*pool_);
-  for (BlockId b : blocks_) pool_->incref(b);
+  for (int32_t i = num_dropped_; i < num_blocks(); ++i) pool_->incref(blocks_[static_cast<size_t>(i)]);
   child.blocks_ = blocks_;
   child.hashes_ = hashes_;
+  child.num_dropped_ = num_dropped_;
   return child;
 }
 
@@ -99,14 +117,17 @@ void BlockTable::register_full_blocks(std::span<const TokenId> tokens, int32_t n
     auto block_tokens = tokens.subspan(i * bs, bs);
     const BlockHash parent = i == 0 ? kRootBlockHash : hashes_[i - 1];
     hashes_.push_back(hash_block(parent, block_tokens));
-    pool_->register_block(blocks_[i], hashes_.back(), block_tokens);
+    if (blocks_[i] != kDroppedBlock) pool_->register_block(blocks_[i], hashes_.back(), block_tokens);
   }
 }
 
 void BlockTable::release() {
-  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) pool_->decref(*it);
+  for (auto it = blocks_.rbegin(); it != blocks_.rend(); ++it) {
+    if (*it != kDroppedBlock) pool_->decref(*it);
+  }
   blocks_.clear();
   hashes_.clear();
+  num_dropped_ = 0;
 }
 
 }  // namespace pagedserve

@@ -11,6 +11,14 @@
 // runner applies before the forward, decref src, swap dst in. src is pinned
 // until BlockPool::end_step(), so even if every other holder lets go of it
 // within the step it cannot become another pending copy's destination.
+//
+// Sliding windows: drop_blocks_before() gives back the blocks a windowed
+// model will never read again. Their entries stay in place as kDroppedBlock
+// (-1), so positions keep their block index and the step's block tables show
+// -1 there (paged attention with a window never reads them; see
+// cpp/ops/attention_options.h). Dropped blocks are always a prefix of the
+// table; their prefix hashes are kept, so later blocks still chain and a
+// dropped block that was registered stays in the prefix cache (evictable).
 #pragma once
 
 #include <cstdint>
@@ -24,6 +32,9 @@
 namespace pagedserve {
 
 // The longest run of cached full blocks matching a token prefix.
+// The entry of a block given back by drop_blocks_before().
+inline constexpr BlockId kDroppedBlock = -1;
+
 struct PrefixMatch {
   std::vector<BlockId> blocks;
   std::vector<BlockHash> hashes;
@@ -41,8 +52,10 @@ class BlockTable {
   BlockTable(const BlockTable&) = delete;
   BlockTable& operator=(const BlockTable&) = delete;
 
-  std::span<const BlockId> blocks() const { return blocks_; }
+  std::span<const BlockId> blocks() const { return blocks_; }  // dropped entries are kDroppedBlock
   int32_t num_blocks() const { return static_cast<int32_t>(blocks_.size()); }
+  int32_t num_dropped() const { return num_dropped_; }
+  int32_t num_live_blocks() const { return num_blocks() - num_dropped_; }
   int32_t capacity() const { return num_blocks() * pool_->block_size(); }
   int32_t slot(int32_t pos) const {
     const int32_t bs = pool_->block_size();
@@ -64,6 +77,10 @@ class BlockTable {
   // changes nothing if the pool lacks free blocks.
   [[nodiscard]] bool prepare_write(int32_t begin, int32_t end, std::vector<BlockCopy>& copies);
 
+  // Gives back every block wholly before `position` (all of whose positions
+  // are < position), leaving kDroppedBlock entries. Never re-grows them.
+  void drop_blocks_before(int32_t position);
+
   // A second table sharing every block (parallel sampling).
   BlockTable fork() const;
 
@@ -79,6 +96,7 @@ class BlockTable {
   BlockPool* pool_;
   std::vector<BlockId> blocks_;
   std::vector<BlockHash> hashes_;  // hashes_[i] of full block i, for i < hashes_.size()
+  int32_t num_dropped_ = 0;        // blocks_[0, num_dropped_) are kDroppedBlock
 };
 
 }  // namespace pagedserve

@@ -21,6 +21,7 @@ SchedulerConfig validated(SchedulerConfig c) {
   require(c.max_num_batched_tokens >= c.max_num_seqs,
           "max_num_batched_tokens must be at least max_num_seqs, so every running sequence can decode");
   require(c.watermark >= 0.0 && c.watermark < 1.0, "watermark must be in [0, 1)");
+  require(c.sliding_window >= 0, "sliding_window must be >= 0 (0: full attention)");
   return c;
 }
 
@@ -31,7 +32,7 @@ Scheduler::Scheduler(SchedulerConfig config)
       pool_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching),
       watermark_blocks_(static_cast<int32_t>(std::ceil(config_.watermark * config_.num_blocks))) {}
 
-SeqId Scheduler::add_sequence(std::span<const TokenId> prompt, StopParams params) {
+SeqId Scheduler::add_sequence(std::span<const TokenId> prompt, StopParams params, bool use_prefix_cache) {
   if (prompt.empty()) throw std::invalid_argument("the prompt is empty");
   if (std::any_of(prompt.begin(), prompt.end(), [](TokenId t) { return t < 0; }))
     throw std::invalid_argument("the prompt has a negative token id");
@@ -42,6 +43,7 @@ SeqId Scheduler::add_sequence(std::span<const TokenId> prompt, StopParams params
   auto seq = std::make_unique<Sequence>(id, std::vector<TokenId>(prompt.begin(), prompt.end()), std::move(params),
                                         pool_);
   seq->forked = seq->params.n == 1;
+  seq->use_prefix_cache = use_prefix_cache;
   waiting_.push_back(seq.get());
   sequences_.emplace(id, std::move(seq));
   return id;
@@ -99,16 +101,31 @@ void Scheduler::admit_waiting(StepOutput& out, int32_t& budget) {
       continue;
     }
     if (slots + seq.batch_slots() > config_.max_num_seqs) break;
-    const PrefixMatch match = BlockTable::find_prefix(pool_, seq.tokens);
+    const PrefixMatch match = seq.use_prefix_cache ? BlockTable::find_prefix(pool_, seq.tokens) : PrefixMatch{};
     const int32_t begin = match.num_tokens(config_.block_size);
-    const int32_t count = std::min(seq.num_tokens() - begin, budget);
-    const int32_t needed = blocks_for(begin + count) - static_cast<int32_t>(match.blocks.size());
-    const int32_t available = pool_.num_free() - match.num_evictable;
+    int32_t count = std::min(seq.num_tokens() - begin, budget);
+    const auto matched = static_cast<int32_t>(match.blocks.size());
+    // With a window the matched blocks before begin's window are dropped right
+    // after adoption: only the live ones leave the free count.
+    const int32_t first_live = std::min(matched, window_start(begin) / config_.block_size);
+    int32_t adopted_evictable = match.num_evictable;
+    if (first_live > 0) {
+      adopted_evictable = 0;
+      for (int32_t i = first_live; i < matched; ++i) {
+        adopted_evictable += pool_.refcount(match.blocks[static_cast<size_t>(i)]) == 0 ? 1 : 0;
+      }
+    }
+    const int32_t available = pool_.num_free() - adopted_evictable;
     const bool idle = running_.empty() && scheduled_.empty();
-    if (needed > available - (idle ? 0 : watermark_blocks_)) break;  // FCFS: the head waits, nobody overtakes
+    const int32_t room = available - (idle ? 0 : watermark_blocks_);
+    // A windowed prompt runs in chunks that fit (it frees blocks behind its window as it goes).
+    if (config_.sliding_window > 0) count = std::min(count, (matched + room) * config_.block_size - begin);
+    const int32_t needed = blocks_for(begin + count) - matched;
+    if (count <= 0 || needed > room) break;  // FCFS: the head waits, nobody overtakes
 
     waiting_.pop_front();
     seq.table.adopt_prefix(match);
+    seq.table.drop_blocks_before(window_start(begin));
     seq.num_computed_tokens = begin;
     const bool reserved = seq.table.prepare_write(begin, begin + count, out.block_copies);
     PS_CHECK(reserved, "admission checked free blocks but prepare_write failed");
@@ -186,10 +203,18 @@ int32_t Scheduler::blocks_for(int32_t num_tokens) const {
   return (num_tokens + config_.block_size - 1) / config_.block_size;
 }
 
+int32_t Scheduler::window_start(int32_t position) const {
+  return config_.sliding_window > 0 ? std::max(0, position - config_.sliding_window + 1) : 0;
+}
+
 FinishReason Scheduler::never_fits(const Sequence& seq) const {
   if (seq.num_prompt_tokens > config_.max_model_len || seq.batch_slots() > config_.max_num_seqs)
     return FinishReason::kRejected;
-  if (blocks_for(seq.num_tokens()) > config_.num_blocks)
+  // Alone, a windowed sequence needs its window's W - 1 earlier positions plus
+  // the one it writes: at most ceil((W - 1) / block_size) + 1 blocks.
+  const int32_t window_blocks =
+      config_.sliding_window > 0 ? blocks_for(config_.sliding_window - 1) + 1 : blocks_for(seq.num_tokens());
+  if (std::min(blocks_for(seq.num_tokens()), window_blocks) > config_.num_blocks)
     return seq.num_generated() == 0 ? FinishReason::kRejected : FinishReason::kLength;
   return FinishReason::kNone;
 }
@@ -235,6 +260,8 @@ UpdateResult Scheduler::update(std::span<const TokenId> sampled) {
     if (!seq) continue;  // aborted since schedule()
     seq->num_computed_tokens = step->seq_lens[static_cast<size_t>(s)];
     seq->table.register_full_blocks(seq->tokens, seq->num_computed_tokens);
+    // Blocks wholly before the next query's window are never read again.
+    if (config_.sliding_window > 0) seq->table.drop_blocks_before(window_start(seq->num_computed_tokens));
   }
   UpdateResult result;
   size_t offset = 0;

@@ -17,6 +17,16 @@
 // another candidate exists. A victim drops its blocks (full ones stay cached),
 // keeps its tokens, and goes to the front of the queue to be recomputed.
 //
+// Sliding window W (config.sliding_window, for models whose every layer
+// attends over a window of W, and which pass window = W to paged_attention):
+// after each step, a sequence gives back the blocks wholly before its next
+// query's window (positions < num_computed - W + 1; BlockTable::
+// drop_blocks_before), so it holds about W / block_size + 1 blocks however
+// long it grows. Admission and the "can never fit" check count only those
+// live blocks: a prompt longer than the pool is prefilled in chunks that fit.
+// Dropped blocks that were registered stay in the prefix cache (evictable),
+// and a preempted sequence recomputes from position 0 as usual.
+//
 // Between schedule() and the next schedule(), update() must receive the
 // step's sampled tokens (none for a step that samples nothing).
 #pragma once
@@ -47,6 +57,8 @@ struct SchedulerConfig {
   // running sequences can grow without preempting the newcomers at once.
   double watermark = 0.01;
   std::vector<TokenId> eos_token_ids;
+  // Every layer's attention window (0: full attention); see above.
+  int32_t sliding_window = 0;
 };
 
 class Scheduler {
@@ -59,7 +71,10 @@ class Scheduler {
   // Queues a sequence and returns its id. Throws std::invalid_argument on an
   // empty prompt or nonsensical params; a prompt that cannot fit is accepted
   // here and rejected by schedule(), so it is reported like any other finish.
-  SeqId add_sequence(std::span<const TokenId> prompt, StopParams params);
+  // use_prefix_cache=false computes the whole prompt even where the prefix cache
+  // holds it (a request that needs every prompt position's output, e.g. prompt
+  // logprobs, on a model whose freed window blocks cannot be read back).
+  SeqId add_sequence(std::span<const TokenId> prompt, StopParams params, bool use_prefix_cache = true);
 
   // Builds the next step. Throws std::logic_error if the previous step's
   // update() has not been called.
@@ -103,6 +118,8 @@ class Scheduler {
   void preempt(Sequence& seq, StepOutput& out);
   FinishReason never_fits(const Sequence& seq) const;  // kNone if it might fit
   int32_t blocks_for(int32_t num_tokens) const;
+  // The first position a query at `position` attends to (0 without a window).
+  int32_t window_start(int32_t position) const;
   // Releases seq's blocks; reap() removes it from every container.
   void finish_now(Sequence& seq, FinishReason reason);
   void reap();

@@ -54,6 +54,7 @@ struct Sequence {
   FinishReason finish_reason = FinishReason::kNone;  // set once: the sequence is done and holds no blocks
   uint64_t admit_order = 0;  // larger = admitted later; LIFO preemption picks the largest
   bool forked = false;       // the n > 1 fork has happened (or n == 1)
+  bool use_prefix_cache = true;  // false: admission never adopts cached blocks (its KV is computed anew)
   bool scheduled = false;    // part of the step being built
   int32_t num_preemptions = 0;
 };

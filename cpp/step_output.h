@@ -45,7 +45,8 @@ struct StepOutput {
   std::vector<int32_t> slot_mapping;        // [num_tokens] block * block_size + offset
   std::vector<int32_t> query_start_loc;     // [num_seqs + 1]
   std::vector<int32_t> seq_lens;            // [num_seqs] context length including this step's tokens
-  std::vector<int32_t> block_tables;        // [num_seqs, max_blocks_per_seq] padded with kPadBlock
+  std::vector<int32_t> block_tables;        // [num_seqs, max_blocks_per_seq] padded with kPadBlock;
+                                            // -1 (kDroppedBlock) before a sliding window (block_table.h)
 
   // Rows whose last token's logits must be sampled (their pending tokens end here).
   std::vector<int32_t> sample_rows;         // [num_sample_rows] index into rows

@@ -6,6 +6,7 @@
 // The warp finds its row by binary search in query_start_loc, then walks the
 // token's visible keys 4 at a time (4 independent loads in flight), reducing
 // each dot product with shuffles, with an online softmax in the log2 domain.
+// A sliding window starts the walk at the window; soft-capping maps each score.
 // Tokens past query_start_loc[S] (graph padding) are left unwritten.
 // Cost: every (token, head) re-reads its keys from L2; fine for test-size models.
 #pragma once
@@ -53,7 +54,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_f32_kernel(cons
   const int q_begin = p.query_start_loc[row];
   const int q_len = p.query_start_loc[row + 1] - q_begin;
   const int seq_len = p.seq_lens[row];
-  const int num_keys = min(seq_len - q_len + (token - q_begin) + 1, seq_len);  // causal
+  const int query_pos = seq_len - q_len + (token - q_begin);
+  const int num_keys = min(query_pos + 1, seq_len);  // causal
+  const int key_begin = query_pos >= p.window_span ? query_pos - p.window_span + 1 : 0;
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(row) * p.max_blocks_per_seq;
   const auto* key_cache = static_cast<const float*>(p.key_cache);
@@ -63,14 +66,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_f32_kernel(cons
   float q[kPerLane];
   load_as_float(q, static_cast<const float*>(p.query) + (static_cast<int64_t>(token) * p.num_heads + head) * kHeadDim +
                        lane_dim);
-  const float scale_log2 = p.scale * kLog2e;
+  const ScoreMap score_map = ScoreMap::make(p.scale, p.softcap);
+  const float q_scale = score_map.capped ? 1.f : score_map.scale_log2;  // capped: the map scales
 #pragma unroll
-  for (int e = 0; e < kPerLane; ++e) q[e] *= scale_log2;
+  for (int e = 0; e < kPerLane; ++e) q[e] *= q_scale;
 
   float running_max = -INFINITY;
   float running_sum = 0.f;
   float acc[kPerLane] = {};
-  for (int first = 0; first < num_keys; first += kKeysPerStep) {
+  for (int first = key_begin; first < num_keys; first += kKeysPerStep) {
     float score[kKeysPerStep];
     float value[kKeysPerStep][kPerLane];
 #pragma unroll
@@ -94,7 +98,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) attention_f32_kernel(cons
     float step_max = -INFINITY;
 #pragma unroll
     for (int k = 0; k < kKeysPerStep; ++k) {
-      score[k] = first + k < num_keys ? warp_sum(score[k]) : -INFINITY;
+      const float dot = warp_sum(score[k]);
+      score[k] = first + k >= num_keys ? -INFINITY : score_map.capped ? score_map.capped_score(dot) : dot;
       step_max = fmaxf(step_max, score[k]);
     }
     const float new_max = fmaxf(running_max, step_max);  // finite: key `first` is visible

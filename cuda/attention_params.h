@@ -26,6 +26,9 @@ struct PagedAttentionParams {
   int max_query_len;
   int max_seq_len;
   int num_decodes;
+  // Options (cpp/ops/attention_options.h), read by every kernel.
+  int window_span;  // the sliding window W, or INT_MAX for none: key k is hidden from query q when q - k >= span
+  float softcap;    // 0: none
 };
 
 // Split-K plan of the decode kernel: each decode row's context is cut into

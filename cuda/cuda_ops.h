@@ -22,6 +22,7 @@
 
 #include <cstddef>
 
+#include "ops/attention_options.h"
 #include "ops/tensor_view.h"
 
 namespace pagedserve::cuda {
@@ -65,14 +66,25 @@ void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies, cud
 // natural; there is no uint8), 16-byte aligned; it may be empty (no data) when
 // max_seq_len fits one partition. A larger workspace lets small batches split
 // into finer partitions. Tokens past query_start_loc[S] are not written.
+// options: sliding window and soft-capping (cpp/ops/attention_options.h); a
+// window also bounds the decode grid and workspace use by min(max_seq_len, W).
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
-                     const TensorView& workspace, cudaStream_t stream);
+                     const TensorView& workspace, const ops::AttentionOptions& options, cudaStream_t stream);
 
 // Bytes of split-K scratch paged_attention needs for num_seqs decode rows:
 // float32 partial outputs plus a running max and sum per (row, head, partition).
 size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_seq_len);
+
+// Mixture-of-experts products (semantics: ops::grouped_linear; layout:
+// cpp/ops/grouped_linear.h). out: [R, N]; x: [R, K]; weight: [E, N, K];
+// expert_offsets: [E + 1] int32 in device memory. float16 / bfloat16 run on
+// tensor cores and need K % 8 == 0, 16-byte aligned x and weight, and
+// ceil(R / 64) + E <= 65535; float32 runs a plain kernel. The offsets are
+// trusted to be non-decreasing; rows past R are neither read nor written.
+void grouped_linear(const TensorView& out, const TensorView& x, const TensorView& weight,
+                    const TensorView& expert_offsets, cudaStream_t stream);
 
 // Gumbel-max sampling, one token per row; see cpp/ops/ops.h.
 void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature, uint64_t seed,

@@ -17,7 +17,10 @@
 //   result is bit-identical to SDPA's up to 256 tokens
 //   (bench/numerics/softmax_numerics.py), which is why partitions are not cut shorter.
 //   Rows whose context fits one partition write `out` directly; others leave
-//   O / l, m and l per partition in the workspace.
+//   O / l, m and l per partition in the workspace. With a sliding window a
+//   row's partitions cover only its window [seq_len - W, seq_len): the grid
+//   is sized from min(max_seq_len, W) and no key before the window is read.
+//   Soft-capping maps the scores (ScoreMap) before the softmax.
 // decode_reduce_kernel (decode_reduce.cuh), one warp per (row, query head):
 //   merges the live partitions.
 //
@@ -128,14 +131,14 @@ __device__ __forceinline__ void store_partition(DecodeWarpState<kHeadDim>& state
 // the row sums and P V for the warp's columns over all 64 tokens in order.
 template <typename T, int kHeadDim, typename Masked>
 __device__ __forceinline__ void attend_chunk(DecodeWarpState<kHeadDim>& state, const uint32_t (&q)[kHeadDim / 16][4],
-                                             const T* keys, const T* values, float scale_log2, float* chunk_max,
+                                             const T* keys, const T* values, const ScoreMap& score, float* chunk_max,
                                              float* probs, int warp, int lane, Masked masked) {
   using Tile = SwizzledTile<kHeadDim>;
   constexpr int kColumns = DecodeWarpState<kHeadDim>::kColumns;
   const int g = lane / 4;
   const int q2 = 2 * (lane % 4);
   float s[kWarpTokens / 8][4];
-  warp_scores<T, kHeadDim, kWarpTokens>(s, q, keys + warp * kWarpTokens * kHeadDim, scale_log2, lane, masked);
+  warp_scores<T, kHeadDim, kWarpTokens>(s, q, keys + warp * kWarpTokens * kHeadDim, score, lane, masked);
   float tile_max[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -216,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const HeadRange heads = cta_heads(p);
   const int seq_len = p.seq_lens[row];
   const int token = p.query_start_loc[row];
-  const int num_live = live_partitions(seq_len, split.partition_tokens, split.num_partitions);
+  const int num_live = live_partitions(seq_len, p.window_span, split.partition_tokens, split.num_partitions);
   const int tid = static_cast<int>(threadIdx.x);
   if (num_live == 0) {  // an empty context (padding row): defined output, no reads
     if (partition != 0) return;
@@ -226,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   if (partition >= num_live) return;
 
-  const int start = partition * split.partition_tokens;
+  const int start = decode_begin(seq_len, p.window_span) + partition * split.partition_tokens;
   const int end = min(start + split.partition_tokens, seq_len);
   const int num_chunks = (end - start + kChunkTokens - 1) / kChunkTokens;
   const int32_t* block_table = p.block_tables + static_cast<int64_t>(row) * p.max_blocks_per_seq;
@@ -250,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const float scale_log2 = p.scale * kLog2e;
+  const ScoreMap score = ScoreMap::make(p.scale, p.softcap);
   uint32_t q_frag[kHeadDim / 16][4];
   DecodeWarpState<kHeadDim> state;
   for (int chunk = 0; chunk < num_chunks; ++chunk) {
@@ -262,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // Every warp takes part (a warp past `end` sees only masked, zero-filled
     // keys) because the exchanges synchronize the CTA.
     const int first = start + chunk * kChunkTokens + warp * kWarpTokens;
-    attend_chunk<T, kHeadDim>(state, q_frag, key_tile(chunk), value_tile(chunk), scale_log2, chunk_max, probs, warp,
+    attend_chunk<T, kHeadDim>(state, q_frag, key_tile(chunk), value_tile(chunk), score, chunk_max, probs, warp,
                               lane, [&](int /*row*/, int key) { return first + key >= end; });
   }
   cp_async_wait<0>();

@@ -26,7 +26,7 @@ __global__ void __launch_bounds__(kReduceWarpsPerBlock * 32)
   const int row = warp_index / p.num_heads;
   const int head = warp_index % p.num_heads;
   if (row >= p.num_decodes) return;
-  const int num_live = live_partitions(p.seq_lens[row], split.partition_tokens, split.num_partitions);
+  const int num_live = live_partitions(p.seq_lens[row], p.window_span, split.partition_tokens, split.num_partitions);
   if (num_live <= 1) return;  // written by the partition kernel
   const int64_t first_slot = (static_cast<int64_t>(row) * p.num_heads + head) * split.num_partitions;
 

@@ -8,7 +8,10 @@
 // partitions halve (down to 256 tokens: a shorter context stays one chain, as
 // cuDNN computes it; decode_attention.cuh) as long as the caller's workspace
 // holds the extra partials. Everything the plan reads is fixed for a captured
-// CUDA graph: host bounds, the workspace size and the SM count.
+// CUDA graph: host bounds, the workspace size and the SM count. A sliding
+// window W bounds each decode row's context by W, so the plan (and the grid)
+// sizes from min(max_seq_len, W).
+#include <climits>
 #include <type_traits>
 
 #include "attention_f32.cuh"
@@ -38,15 +41,19 @@ int multiprocessor_count(int device) {
   return count;
 }
 
+// The longest context one decode row reads: its window or the host bound.
+int max_decode_context(const PagedAttentionParams& p) { return std::min(p.max_seq_len, p.window_span); }
+
 int plan_partition_tokens(const PagedAttentionParams& p, int head_dim, size_t workspace_bytes, int device) {
+  const int context = max_decode_context(p);
   const int group_size = p.num_heads / p.num_kv_heads;
   const int64_t ctas_per_partition =
       static_cast<int64_t>(p.num_decodes) * p.num_kv_heads * ceil_div(group_size, decode::kHeadsPerCta);
   const int64_t target_ctas = 2 * static_cast<int64_t>(multiprocessor_count(device));
   int partition_tokens = decode::kMaxPartitionTokens;
   while (partition_tokens > decode::kMinPartitionTokens) {
-    if (ctas_per_partition * ceil_div(p.max_seq_len, partition_tokens) >= target_ctas) break;
-    const int finer = ceil_div(p.max_seq_len, partition_tokens / 2);
+    if (ctas_per_partition * ceil_div(context, partition_tokens) >= target_ctas) break;
+    const int finer = ceil_div(context, partition_tokens / 2);
     if (finer > 1 && split_bytes(p.num_decodes, p.num_heads, head_dim, finer) > workspace_bytes) break;
     partition_tokens /= 2;
   }
@@ -58,7 +65,7 @@ DecodeSplit plan_decode_split(const PagedAttentionParams& p, int head_dim, const
       workspace.data == nullptr ? 0 : static_cast<size_t>(workspace.numel()) * ops::element_size(workspace.dtype);
   DecodeSplit split{};
   split.partition_tokens = plan_partition_tokens(p, head_dim, available, device);
-  split.num_partitions = std::max(1, ceil_div(p.max_seq_len, split.partition_tokens));
+  split.num_partitions = std::max(1, ceil_div(max_decode_context(p), split.partition_tokens));
   if (split.num_partitions == 1) return split;  // rows finish in the partition kernel
 
   const size_t needed = split_bytes(p.num_decodes, p.num_heads, head_dim, split.num_partitions);
@@ -88,9 +95,10 @@ struct AttentionShape {
 // The op's contract, then the kernels' own limits.
 AttentionShape checked_attention_shape(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                                        const TensorView& value_cache, const TensorView& block_tables,
-                                       const TensorView& query_start_loc, const TensorView& seq_lens) {
+                                       const TensorView& query_start_loc, const TensorView& seq_lens,
+                                const ops::AttentionOptions& options) {
   ops::check_paged_attention(ops::Device::kCUDA, out, query, key_cache, value_cache, block_tables, query_start_loc,
-                             seq_lens);
+                             seq_lens, options);
   const AttentionShape shape{checked_int(kOp, "num_tokens", query.size(0)),
                              checked_int(kOp, "num_heads", query.size(1)),
                              checked_int(kOp, "num_kv_heads", key_cache.size(1)),
@@ -119,9 +127,9 @@ size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
-                     const TensorView& workspace, cudaStream_t stream) {
+                     const TensorView& workspace, const ops::AttentionOptions& options, cudaStream_t stream) {
   const AttentionShape shape =
-      checked_attention_shape(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens);
+      checked_attention_shape(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, options);
   const int num_prefills = shape.num_seqs - num_decodes;
   PS_REQUIRE(num_decodes >= 0 && num_prefills >= 0, kOp,
                "num_decodes = " + std::to_string(num_decodes) + " must be in [0, num_seqs = " +
@@ -150,6 +158,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   params.max_query_len = max_query_len;
   params.max_seq_len = max_seq_len;
   params.num_decodes = num_decodes;
+  params.window_span = options.window > 0 ? options.window : INT_MAX;
+  params.softcap = options.softcap;
 
   DeviceGuard guard(query.device_index);
   dispatch_attention(query.dtype, shape.head_dim, shape.block_size, kOp,

@@ -16,7 +16,10 @@
 // kKeyTokens). Causality: query i of the chunk sits at position
 // seq_len - q_len + i (after the cached prefix); key tiles entirely in the
 // future of a CTA are never loaded, tiles entirely in the past skip the mask,
-// and a warp skips a tile in its own future.
+// and a warp skips a tile in its own future. A sliding window W starts the
+// key tiles at the CTA's first query's window (position - W + 1), so keys
+// before every query's window are never loaded, and a warp skips tiles wholly
+// before its own rows' windows. Soft-capping maps the scores (ScoreMap).
 //
 // Numbers for one 4096-token causal prompt, 32 q / 8 kv heads, D 128, bf16:
 //   4 * 4096^2 / 2 * 128 * 32 = 137 GFLOP useful (diagonal tiles add ~1.5 %);
@@ -96,10 +99,15 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(const Pa
   if (m0 >= q_len) return;
   const int seq_len = p.seq_lens[row];
   const int tile_first_pos = seq_len - q_len + m0;  // position of the CTA's first query
+  const int span = p.window_span;                   // INT_MAX without a window
+  // Keys [kv_begin, kv_end): from the first query's window start to the last query.
+  const int kv_begin = tile_first_pos >= span ? tile_first_pos - span + 1 : 0;
   const int kv_end = min(seq_len, tile_first_pos + kQueryRows);
-  const int num_tiles = kv_end > 0 ? (kv_end + kKeys - 1) / kKeys : 0;
-  // Tiles [0, num_full_tiles) hold only keys every query of the CTA sees.
-  const int num_full_tiles = tile_first_pos >= 0 ? (tile_first_pos + 1) / kKeys : 0;
+  const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kKeys - 1) / kKeys : 0;
+  // Whether every query of the CTA sees every key of the tile at first_key (no mask needed).
+  auto unmasked_tile = [&](int first_key) {
+    return first_key + kKeys - 1 <= tile_first_pos && tile_first_pos + kQueryRows - 1 - first_key < span;
+  };
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -112,8 +120,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(const Pa
   auto value_tile = [&](int tile) { return key_tile(tile) + Layout::kTileElems; };
   auto load_tile = [&](int tile) {
     load_kv_tiles_async<T, kHeadDim, kBlockSize, kKeys, kThreads>(key_tile(tile), value_tile(tile), key_cache,
-                                                                       value_cache, block_table, tile * kKeys,
-                                                                       kv_end, kv_head, p.num_kv_heads, tid);
+                                                                       value_cache, block_table,
+                                                                       kv_begin + tile * kKeys, kv_end, kv_head,
+                                                                       p.num_kv_heads, tid);
   };
 
   load_rows_async<T, kHeadDim, kQueryRows, kThreads>(query_tile, query, token_stride, min(q_len - m0, kQueryRows), tid);
@@ -126,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(const Pa
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int warp_first_pos = tile_first_pos + warp * kWarpRows;
-  const float scale_log2 = p.scale * kLog2e;
+  const ScoreMap score = ScoreMap::make(p.scale, p.softcap);
   uint32_t q_frag[kHeadDim / 16][4];
   WarpAttentionState<kHeadDim> state;
   cp_async_wait<kStages - 2>();
@@ -139,22 +148,24 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(const Pa
     }
     if (tile + kStages - 1 < num_tiles) load_tile(tile + kStages - 1);
     cp_async_commit();
-    const int first_key = tile * kKeys;
+    const int first_key = kv_begin + tile * kKeys;
     if (first_key > warp_first_pos + kWarpRows - 1) continue;  // wholly in this warp's future
-    const bool full_tile = tile < num_full_tiles;
-    auto future = [&](int r, int key) {
+    if (warp_first_pos - (first_key + kKeys - 1) >= span) continue;  // wholly before this warp's windows
+    const bool full_tile = unmasked_tile(first_key);
+    auto future = [&](int r, int key) {  // or before the row's window
       const int position = first_key + key;
-      return position > warp_first_pos + r || position >= seq_len;
+      const int query = warp_first_pos + r;
+      return position > query || position >= seq_len || query - position >= span;
     };
     if constexpr (kKeys > 64) {
       // One inlined copy of the tile code: a second, mask-free one costs registers 128-key tiles lack.
-      warp_attend<T, kHeadDim, kKeys>(state, q_frag, key_tile(tile), value_tile(tile), scale_log2, lane,
+      warp_attend<T, kHeadDim, kKeys>(state, q_frag, key_tile(tile), value_tile(tile), score, lane,
                                       [&](int r, int key) { return !full_tile && future(r, key); });
     } else if (full_tile) {
-      warp_attend<T, kHeadDim, kKeys>(state, q_frag, key_tile(tile), value_tile(tile), scale_log2, lane,
+      warp_attend<T, kHeadDim, kKeys>(state, q_frag, key_tile(tile), value_tile(tile), score, lane,
                                       [](int, int) { return false; });
     } else {
-      warp_attend<T, kHeadDim, kKeys>(state, q_frag, key_tile(tile), value_tile(tile), scale_log2, lane, future);
+      warp_attend<T, kHeadDim, kKeys>(state, q_frag, key_tile(tile), value_tile(tile), score, lane, future);
     }
   }
   cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits

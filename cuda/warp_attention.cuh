@@ -40,12 +40,13 @@ __device__ __forceinline__ void load_query_fragments(uint32_t (&q)[kHeadDim / 16
 }
 
 // Scores of the warp's 16 query rows against kKeys keys (rows [0, kKeys) of
-// the swizzled key tile), in the log2 domain: s[n] is the C fragment of keys
-// [8n, 8n + 8). masked(row, key) says whether row (0..15) must not see key
-// (0..kKeys-1), which then scores -inf; pass a lambda returning false for none.
+// the swizzled key tile), in the log2 domain (mapped by `score`: scale and
+// soft-capping): s[n] is the C fragment of keys [8n, 8n + 8). masked(row, key)
+// says whether row (0..15) must not see key (0..kKeys-1), which then scores
+// -inf; pass a lambda returning false for none.
 template <typename T, int kHeadDim, int kKeys, typename Masked>
 __device__ __forceinline__ void warp_scores(float (&s)[kKeys / 8][4], const uint32_t (&q)[kHeadDim / 16][4],
-                                            const T* keys, float scale_log2, int lane, Masked masked) {
+                                            const T* keys, const ScoreMap& score, int lane, Masked masked) {
   using Tile = SwizzledTile<kHeadDim>;
   static_assert(kKeys % 16 == 0, "keys come in k-steps of 16");
   // An x4 ldmatrix yields b0/b1 for keys [0, 8) and [8, 16) of a 16-key slice.
@@ -75,13 +76,20 @@ __device__ __forceinline__ void warp_scores(float (&s)[kKeys / 8][4], const uint
   }
   const int g = lane / 4;
   const int key_in_tile = 2 * (lane % 4);
+  auto map_scores = [&](auto map) {
 #pragma unroll
-  for (int n = 0; n < kKeys / 8; ++n) {
+    for (int n = 0; n < kKeys / 8; ++n) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const bool hidden = masked(g + (e / 2) * 8, n * 8 + key_in_tile + e % 2);
-      s[n][e] = hidden ? -INFINITY : s[n][e] * scale_log2;
+      for (int e = 0; e < 4; ++e) {
+        const bool hidden = masked(g + (e / 2) * 8, n * 8 + key_in_tile + e % 2);
+        s[n][e] = hidden ? -INFINITY : map(s[n][e]);
+      }
     }
+  };
+  if (score.capped) {  // uniform across the grid
+    map_scores([&](float dot) { return score.capped_score(dot); });
+  } else {
+    map_scores([&](float dot) { return dot * score.scale_log2; });
   }
 }
 
@@ -97,11 +105,11 @@ __device__ __forceinline__ void warp_scores(float (&s)[kKeys / 8][4], const uint
 template <typename T, int kHeadDim, int kKeys, typename Masked>
 __device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
                                             const uint32_t (&q)[kHeadDim / 16][4], const T* keys, const T* values,
-                                            float scale_log2, int lane, Masked masked) {
+                                            const ScoreMap& score, int lane, Masked masked) {
   using Tile = SwizzledTile<kHeadDim>;
   constexpr int kKeyTiles = kKeys / 8;  // C fragments of scores, 8 keys each
   float s[kKeyTiles][4];
-  warp_scores<T, kHeadDim, kKeys>(s, q, keys, scale_log2, lane, masked);
+  warp_scores<T, kHeadDim, kKeys>(s, q, keys, score, lane, masked);
 
   // Online softmax: rescale what was accumulated under the old max.
 #pragma unroll

@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh                      every stage
 #   bash scripts/gpu_check.sh build optests        some stages
 #
-# Stages: env build optests sanitizer kernels engine e2e_dummy e2e_real long timing demos serve
+# Stages: env build optests sanitizer kernels engine families structured e2e_dummy e2e_real long timing demos serve
 # (and, on request, agreement and numerics: bench/numerics/bf16_agreement.py and bench/numerics/*_numerics.py,
 # the bf16-vs-transformers diagnosis).
 # Optional inputs: .whl/*.whl (Python packages the machine lacks, installed to
@@ -21,7 +21,7 @@ RUN=$OUT/run
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}
 STAGES=("$@")
-[ ${#STAGES[@]} -eq 0 ] && STAGES=(env build optests sanitizer kernels engine e2e_dummy e2e_real long timing demos serve)
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(env build optests sanitizer kernels engine families structured e2e_dummy e2e_real long timing demos serve)
 SUMMARY=$RUN/summary.txt
 : >"$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
@@ -51,10 +51,12 @@ for stage in "${STAGES[@]}"; do
       run_stage build env CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" python3 -m pip install -v --no-build-isolation --no-deps \
         -C cmake.define.USE_CUDA=ON -C build-dir=build/gpu . ;;
     optests)
-      run_stage optests python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py -q -p no:cacheprovider ;;
+      run_stage optests python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py \
+        tests_py/test_ops_grouped_linear.py tests_py/test_ops_attention_window.py -q -p no:cacheprovider ;;
     sanitizer)  # memcheck over every GPU op test (~25 s); racecheck and synccheck on the attention subset
       run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
-        python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py -q -p no:cacheprovider
+        python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py tests_py/test_ops_grouped_linear.py \
+        tests_py/test_ops_attention_window.py -q -p no:cacheprovider
       for tool in racecheck synccheck; do
         run_stage "sanitizer_$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 \
           python3 -m pytest tests_py/test_cuda_ops.py -q -p no:cacheprovider -k sanitizer_subset_attention
@@ -63,6 +65,12 @@ for stage in "${STAGES[@]}"; do
       run_stage kernels python3 bench/perf/kernel_bench.py --out "$RUN" ;;
     engine)
       run_stage engine python3 -m pytest tests_py/test_gpu_engine.py -q -p no:cacheprovider -s ;;
+    families)  # every model family and rope type on random weights: float32 = the CPU path, bf16 vs transformers
+      run_stage families python3 -m pytest tests_py/test_gpu_families.py -q -p no:cacheprovider ;;
+    structured)  # grammar masks on the device, tools and structured outputs through the server on the GPU
+      run_stage structured_tests python3 -m pytest tests_py/test_gpu_structured.py tests_py/test_server_tools.py \
+        tests_py/test_server_structured.py tests_py/test_prompt_logprobs.py -q -p no:cacheprovider
+      run_stage structured_bench python3 bench/perf/structured_bench.py --device cuda --num-requests 64 --out "$RUN" ;;
     agreement)
       run_stage bf16_agreement python3 bench/numerics/bf16_agreement.py --out "$RUN" ;;
     numerics)

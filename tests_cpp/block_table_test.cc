@@ -32,6 +32,35 @@ TEST(BlockTable, GrowsOnDemandAndMapsSlots) {
   EXPECT_EQ(pool.num_used(), 3);
 }
 
+TEST(BlockTable, DropBlocksBeforeAWindowKeepsCachedBlocksAndChains) {
+  BlockPool pool(8, 4, true);
+  const std::vector<TokenId> tokens = iota_tokens(20, 3);
+  BlockTable table(pool);
+  std::vector<BlockCopy> copies;
+  ASSERT_TRUE(table.prepare_write(0, 10, copies));
+  table.register_full_blocks(tokens, 10);  // blocks 0 and 1 cached
+  const BlockId first = table.blocks()[0];
+  table.drop_blocks_before(9);  // positions 0..7: blocks 0 and 1 wholly before
+  EXPECT_EQ(table.num_dropped(), 2);
+  EXPECT_EQ(table.blocks()[0], kDroppedBlock);
+  EXPECT_EQ(table.blocks()[1], kDroppedBlock);
+  EXPECT_EQ(pool.state(first), BlockState::kEvictable);  // given back, still cached
+  table.drop_blocks_before(3);                            // never re-grows
+  EXPECT_EQ(table.num_dropped(), 2);
+  BlockTable child = table.fork();
+  EXPECT_EQ(pool.refcount(table.blocks()[2]), 2);
+  ASSERT_TRUE(table.prepare_write(10, 13, copies));  // copy-on-write of the shared block 2
+  EXPECT_EQ(copies.size(), 1u);
+  pool.end_step();  // the copy's source stays pinned until then
+  table.register_full_blocks(tokens, 13);  // block 2's hash chains through the dropped ones
+  const PrefixMatch match = BlockTable::find_prefix(pool, tokens);
+  EXPECT_EQ(match.blocks.size(), 3u);  // blocks 0, 1 (evictable) and 2
+  child.release();
+  table.release();
+  EXPECT_EQ(pool.num_free(), 8);
+  pool.check_invariants();
+}
+
 TEST(BlockTable, ReleasesEverythingWhenDestroyed) {
   BlockPool pool(4, 4, false);
   {

@@ -91,13 +91,14 @@ struct PagedBatch {
     return kv_cache_offset(block, h, pos % shape.block_size, shape.kv_heads, shape.block_size, shape.head_dim);
   }
 
-  void run(float scale) {
+  void run(float scale, const AttentionOptions& options = {}) {
     paged_attention(out.view(), query.view(), key_cache.view(), value_cache.view(), block_tables.view(),
-                    query_start_loc.view(), seq_lens.view(), scale);
+                    query_start_loc.view(), seq_lens.view(), scale, options);
   }
 
-  // The expected output of the real tokens, [tokens, Hq, D] flattened.
-  std::vector<double> oracle(double scale) const {
+  // The expected output of the real tokens, [tokens, Hq, D] flattened: each
+  // query over positions [first visible, itself], scores soft-capped if asked.
+  std::vector<double> oracle(double scale, const AttentionOptions& options = {}) const {
     const int64_t group = shape.q_heads / shape.kv_heads, dims = shape.head_dim;
     const int64_t tokens = query_start_loc[static_cast<int64_t>(seqs.size())];
     std::vector<double> expected(static_cast<size_t>(tokens * shape.q_heads * dims));
@@ -106,23 +107,26 @@ struct PagedBatch {
       for (int64_t i = 0; i < spec.q_len; ++i) {
         const int64_t token = query_start_loc[q] + i;
         const int64_t last_visible = spec.seq_len - spec.q_len + i;
+        const int64_t first_visible = options.first_visible(last_visible);
         for (int64_t head = 0; head < shape.q_heads; ++head) {
           const int64_t kv_head = head / group;
           const int64_t q_at = (token * shape.q_heads + head) * dims;
           std::vector<double> scores;
-          for (int64_t pos = 0; pos <= last_visible; ++pos) {
+          for (int64_t pos = first_visible; pos <= last_visible; ++pos) {
             double dot = 0;
             const int64_t k_at = slot_offset(q, pos, kv_head);
             for (int64_t d = 0; d < dims; ++d) dot += as_double(query[q_at + d]) * as_double(key_cache[k_at + d]);
-            scores.push_back(dot * scale);
+            const double cap = options.softcap;
+            scores.push_back(cap > 0 ? cap * std::tanh(dot * scale / cap) : dot * scale);
           }
           const double max = *std::max_element(scores.begin(), scores.end());
           double total = 0;
           for (double& sc : scores) total += (sc = std::exp(sc - max));
           for (int64_t d = 0; d < dims; ++d) {
             double sum = 0;
-            for (int64_t pos = 0; pos <= last_visible; ++pos) {
-              sum += scores[static_cast<size_t>(pos)] * as_double(value_cache[slot_offset(q, pos, kv_head) + d]);
+            for (int64_t pos = first_visible; pos <= last_visible; ++pos) {
+              sum += scores[static_cast<size_t>(pos - first_visible)] *
+                     as_double(value_cache[slot_offset(q, pos, kv_head) + d]);
             }
             expected[static_cast<size_t>(q_at + d)] = sum / total;
           }
@@ -198,6 +202,36 @@ TYPED_TEST(PagedAttentionTest, LongPrefillChunkAndLongDecodes) {
     batch.run(0.125f);
     EXPECT_TRUE(testing::all_close(batch.real_outputs(), batch.oracle(0.125)));
   });
+}
+
+TYPED_TEST(PagedAttentionTest, SlidingWindowAndSoftcapMatchOracle) {
+  using T = TypeParam;
+  testing::for_each_cpu_isa([&] {
+    const Shape shapes[] = {{9, 3, 64, 16}, {8, 2, 128, 16}, {6, 2, 64, 7}, {4, 1, 80, 32}};
+    const AttentionOptions options[] = {{1, 0.0f}, {5, 0.0f}, {16, 30.0f}, {40, 0.0f}, {0, 2.0f}, {1000, 0.0f}};
+    for (const Shape& shape : shapes) {
+      for (const AttentionOptions& option : options) {
+        PagedBatch<T> batch(shape, random_mixed_batch(this->rng_), this->rng_);
+        const float scale = 1.0f / std::sqrt(static_cast<float>(shape.head_dim));
+        batch.run(scale, option);
+        EXPECT_TRUE(testing::all_close(batch.real_outputs(), batch.oracle(scale, option)))
+            << "D " << shape.head_dim << " B " << shape.block_size << " window " << option.window << " softcap "
+            << option.softcap;
+      }
+    }
+  });
+}
+
+TEST(PagedAttention, BlocksBeforeTheWindowAreNeverRead) {
+  std::mt19937 rng(5);
+  PagedBatch<float> batch({4, 2, 64, 8}, {{100, 1}, {120, 30}}, rng);
+  // Window 20: the decode row reads [80, 100), the chunk [71, 120): earlier entries may be anything.
+  for (int64_t b = 0; b < 10; ++b) batch.block_tables[b] = -1;
+  for (int64_t b = 0; b < 8; ++b) batch.block_tables[batch.block_tables.shape[1] + b] = -1;
+  batch.run(0.125f, {20, 0.0f});
+  EXPECT_TRUE(testing::all_close(batch.real_outputs(), batch.oracle(0.125, {20, 0.0f})));  // reads the window only
+  // Window 28 starts the decode row at position 72, in the dropped block 9.
+  EXPECT_TRUE(throws_invalid([&] { batch.run(0.125f, {28, 0.0f}); }, "sequence 0: block_tables[9] = -1"));
 }
 
 TEST(PagedAttention, ThreadCountDoesNotChangeResults) {

@@ -9,6 +9,8 @@
 // preemption. After every operation it checks the block accounting: each
 // block's refcount equals the number of tables holding it, nothing leaked or
 // double-freed, and the pool is all free once every sequence is gone.
+// With a sliding window, rows read only their first query's window, and a
+// running sequence holds no block wholly before its next query's window.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -29,7 +31,7 @@ constexpr int64_t kEmptySlot = -1;
 // so a change that makes the random driver vacuous fails.
 struct Coverage {
   int64_t steps = 0, tokens = 0, preemptions = 0, copies = 0, prefix_hit_blocks = 0, rejected = 0, forks = 0,
-          in_flight_aborts = 0, finished = 0;
+          in_flight_aborts = 0, finished = 0, dropped_blocks = 0, longer_than_pool = 0;
 };
 
 struct ModelSeq {
@@ -40,7 +42,8 @@ struct ModelSeq {
 
 class PropertyHarness {
  public:
-  PropertyHarness(std::mt19937_64& rng, Coverage& coverage) : rng_(rng), coverage_(coverage) {
+  PropertyHarness(std::mt19937_64& rng, Coverage& coverage, bool sliding_window = false)
+      : rng_(rng), coverage_(coverage) {
     config_.num_blocks = pick(4, 40);
     config_.block_size = std::vector<int32_t>{1, 2, 4, 8}[static_cast<size_t>(pick(0, 3))];
     config_.max_num_seqs = pick(1, 8);
@@ -49,6 +52,7 @@ class PropertyHarness {
     config_.enable_prefix_caching = pick(0, 3) != 0;
     config_.watermark = pick(0, 1) ? 0.0 : 0.1;
     config_.eos_token_ids = {kEos};
+    if (sliding_window) config_.sliding_window = pick(1, 12);
     scheduler_ = std::make_unique<Scheduler>(config_);
     kv_.assign(static_cast<size_t>(config_.num_blocks * config_.block_size), kEmptySlot);
     for (int i = 0; i < 3; ++i) bases_.push_back(random_tokens(pick(1, 20)));
@@ -167,7 +171,8 @@ class PropertyHarness {
         ASSERT_EQ(out.positions[static_cast<size_t>(i)], seq_len - (end - i));
         ASSERT_EQ(out.input_ids[static_cast<size_t>(i)], seq.tokens[static_cast<size_t>(out.positions[static_cast<size_t>(i)])]);
       }
-      for (int32_t pos = 0; pos < seq_len; ++pos) {
+      // What paged attention reads: from the first query's window start on.
+      for (int32_t pos = window_start(seq_len - (end - begin)); pos < seq_len; ++pos) {
         const BlockId block =
             out.block_tables[static_cast<size_t>(r * out.max_blocks_per_seq + pos / config_.block_size)];
         const auto slot = static_cast<size_t>(block * config_.block_size + pos % config_.block_size);
@@ -176,6 +181,10 @@ class PropertyHarness {
       }
     }
     ASSERT_LE(out.num_tokens, config_.max_num_batched_tokens);
+  }
+
+  int32_t window_start(int32_t position) const {
+    return config_.sliding_window > 0 ? std::max(0, position - config_.sliding_window + 1) : 0;
   }
 
   static int64_t encode(int32_t pos, TokenId token) { return static_cast<int64_t>(pos) * 1000 + token; }
@@ -245,7 +254,18 @@ class PropertyHarness {
         if (seq->status == SeqStatus::kWaiting) {
           ASSERT_EQ(seq->table.num_blocks(), 0) << "waiting with blocks";
         }
-        for (BlockId b : seq->table.blocks()) ++holders[static_cast<size_t>(b)];
+        const auto blocks = seq->table.blocks();
+        // Blocks wholly before the next query's window are back in the pool, the rest held.
+        const int32_t first_live = seq->status == SeqStatus::kRunning
+                                       ? window_start(seq->num_computed_tokens) / config_.block_size
+                                       : 0;
+        for (int32_t i = 0; i < static_cast<int32_t>(blocks.size()); ++i) {
+          const BlockId b = blocks[static_cast<size_t>(i)];
+          ASSERT_EQ(b == kDroppedBlock, i < first_live) << "sequence " << id << " block index " << i;
+          if (b != kDroppedBlock) ++holders[static_cast<size_t>(b)];
+        }
+        coverage_.dropped_blocks += first_live;
+        coverage_.longer_than_pool += seq->num_computed_tokens > config_.num_blocks * config_.block_size;
       }
     }
     ASSERT_EQ(live, static_cast<int32_t>(model_.size()));
@@ -272,6 +292,29 @@ class PropertyHarness {
   std::vector<std::vector<TokenId>> bases_;
   std::map<SeqId, ModelSeq> model_;
 };
+
+TEST(SchedulerProperty, SlidingWindowKeepsEveryInvariant) {
+  std::mt19937_64 rng(7);
+  Coverage coverage;
+  for (int scenario = 0; scenario < 40; ++scenario) {
+    SCOPED_TRACE("scenario " + std::to_string(scenario));
+    {
+      PropertyHarness harness(rng, coverage, /*sliding_window=*/true);
+      harness.run(1000);
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  std::printf("steps %lld, preemptions %lld, prefix hit blocks %lld, dropped block entries %lld, checks of "
+              "sequences longer than the pool %lld\n",
+              static_cast<long long>(coverage.steps), static_cast<long long>(coverage.preemptions),
+              static_cast<long long>(coverage.prefix_hit_blocks), static_cast<long long>(coverage.dropped_blocks),
+              static_cast<long long>(coverage.longer_than_pool));
+  EXPECT_GT(coverage.preemptions, 100);
+  EXPECT_GT(coverage.prefix_hit_blocks, 100);
+  EXPECT_GT(coverage.dropped_blocks, 1000);
+  EXPECT_GT(coverage.longer_than_pool, 10);
+  EXPECT_GT(coverage.forks, 100);
+}
 
 TEST(SchedulerProperty, HundredThousandRandomOperationsKeepEveryInvariant) {
   std::mt19937_64 rng(20261122);

@@ -47,3 +47,12 @@ def save_hf_checkpoint(model, out_dir: Path, max_shard_size: Optional[str] = Non
         model.generation_config.eos_token_id = generation_eos
         model.generation_config.save_pretrained(out_dir)
     return out_dir
+
+
+def round_to_bf16(model):
+    """The model with every parameter rounded to bf16 values (kept float32), as real bf16 checkpoints are: the
+    CPU path then keeps its matrices as exact bf16 tiles."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    return model

@@ -41,7 +41,8 @@ def load(out: Path, name: str) -> dict:
 
 SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py", "perf/kernel_bench.py",
            "perf/scheduler_bench.py", "perf/step_timing.py", "perf/serve_bench.py", "perf/cpu_ops_bench.py",
-           "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py",
+           "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py", "perf/moe_bench.py",
+           "perf/window_kv_bench.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/sdpa_numerics.py",
            "numerics/norm_numerics.py", "numerics/softmax_numerics.py"]
 
@@ -130,6 +131,18 @@ def test_long_workload_quick(tmp_path):
     row = load(tmp_path, "long_workload_cpu_quick")["row"]
     assert row["model"] == "qwen3-0.6b" and row["requests"] == 4
     assert row["output_tok_s"] > 0 and row["output_tokens"] >= 4 * 8
+
+
+def test_window_kv_bench_quick(tmp_path):
+    run_script("perf/window_kv_bench.py", "--quick", "--out", str(tmp_path))
+    data = load(tmp_path, "window_kv_cpu_quick")
+    assert (tmp_path / "window_kv_cpu_quick.png").stat().st_size > 0
+    window, full = data["rows"]
+    assert window["kv_window"] == data["window"] and full["kv_window"] == 0
+    assert window["peak_blocks_held"] == data["theoretical_window_blocks"], "a windowed sequence stays flat"
+    assert full["final_blocks_held"] == full["blocks_without_freeing"] > window["peak_blocks_held"]
+    assert window["output_tokens"] == full["output_tokens"] == data["max_tokens"]
+    assert window["tokens_per_s"] > 0 and full["tokens_per_s"] > 0
 
 
 def test_cpu_op_and_sampler_benches_quick(tmp_path):

@@ -80,8 +80,8 @@ def test_legacy_rope_theta_without_scaling():
 
 def test_unsupported_rope_type():
     raw = base_raw("LlamaForCausalLM")
-    raw["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
-    with pytest.raises(ValueError, match="rope type 'yarn'"):
+    raw["rope_parameters"] = {"rope_type": "mrope", "factor": 4.0, "rope_theta": 1e4}
+    with pytest.raises(ValueError, match="rope type 'mrope'"):
         ModelConfig.from_hf_config(raw, device="cpu")
 
 
@@ -151,10 +151,10 @@ def test_unsupported_architecture_lists_supported():
         assert name in message
 
 
-def test_mistral_with_sliding_window_is_rejected(tmp_path):
+def test_mistral_sliding_window_applies_to_every_layer(tmp_path):
     write_config(tmp_path, small(MistralConfig, sliding_window=64), "MistralForCausalLM")
-    with pytest.raises(ValueError, match="sliding_window=64"):
-        ModelConfig.from_model_dir(tmp_path, device="cpu")
+    config = ModelConfig.from_model_dir(tmp_path, device="cpu")
+    assert config.sliding_window == 64 and [config.layer_window(i) for i in range(2)] == [64, 64]
 
 
 @pytest.mark.parametrize("window", [None, 256, 4096])
@@ -162,13 +162,22 @@ def test_mistral_without_effective_window_is_llama(tmp_path, window):
     write_config(tmp_path, small(MistralConfig, sliding_window=window), "MistralForCausalLM")
     config = ModelConfig.from_model_dir(tmp_path, device="cpu")
     assert config.architecture == "MistralForCausalLM" and not config.qkv_bias
+    assert config.sliding_window == 0  # a window as long as the context is full attention
 
 
-def test_qwen2_sliding_layers_are_rejected(tmp_path):
+def test_qwen2_layers_from_max_window_layers_slide(tmp_path):
     write_config(tmp_path, small(Qwen2Config, use_sliding_window=True, sliding_window=32, max_window_layers=1),
                  "Qwen2ForCausalLM")
-    with pytest.raises(ValueError, match="sliding"):
-        ModelConfig.from_model_dir(tmp_path, device="cpu")
+    config = ModelConfig.from_model_dir(tmp_path, device="cpu")
+    assert [config.layer_window(i) for i in range(2)] == [0, 32]
+
+
+def test_qwen2_legacy_config_without_layer_types():
+    raw = base_raw("Qwen2ForCausalLM")
+    raw.update(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    assert [ModelConfig.from_hf_config(raw, device="cpu").layer_window(i) for i in range(2)] == [0, 16]
+    raw["use_sliding_window"] = False
+    assert ModelConfig.from_hf_config(raw, device="cpu").sliding_window == 0
 
 
 def test_non_silu_activation_is_rejected():
@@ -208,3 +217,57 @@ def base_raw(architecture: str, dtype: str = "float32") -> dict:
             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256,
             "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
             "dtype": dtype}
+
+
+# ---------------------------------------------------------------------------- families and their legacy spellings
+def test_gemma3_written_by_transformers4():
+    """rope_theta + rope_scaling for the global layers, rope_local_base_freq for the sliding ones,
+    sliding_window_pattern instead of layer_types."""
+    raw = base_raw("Gemma3ForCausalLM")
+    raw.update(num_hidden_layers=6, head_dim=16, rope_theta=1e6, rope_local_base_freq=1e4, sliding_window=32,
+               sliding_window_pattern=3, rope_scaling={"rope_type": "linear", "factor": 8.0},
+               query_pre_attn_scalar=64, hidden_activation="gelu_pytorch_tanh")
+    config = ModelConfig.from_hf_config(raw, device="cpu")
+    assert config.rope_theta == 1e6 and config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert config.sliding_rope == (1e4, None)
+    assert [config.layer_window(i) for i in range(6)] == [32, 32, 0, 32, 32, 0]
+    assert config.attention_scale == 64 ** -0.5 and config.qk_norm and config.hidden_act == "gelu_pytorch_tanh"
+
+
+def test_gemma2_without_layer_types_alternates():
+    raw = base_raw("Gemma2ForCausalLM")
+    raw.update(num_hidden_layers=4, sliding_window=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+               hidden_act="gelu_pytorch_tanh")
+    config = ModelConfig.from_hf_config(raw, device="cpu")
+    assert [config.layer_window(i) for i in range(4)] == [16, 0, 16, 0]
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
+
+
+def test_phi3_legacy_su_rope_and_partial_rotary():
+    raw = base_raw("Phi3ForCausalLM")
+    raw.update(max_position_embeddings=131072, original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+               rope_scaling={"type": "su", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6})
+    config = ModelConfig.from_hf_config(raw, device="cpu")
+    assert config.rope_scaling == {"rope_type": "longrope", "short_factor": [1.0] * 6, "long_factor": [2.0] * 6,
+                                   "original_max_position_embeddings": 4096}
+    assert config.partial_rotary_factor == 0.75 and config.rotary_dim == 12  # of head_dim 16
+
+
+def test_granite_multipliers_and_smollm3_rope_layers():
+    raw = base_raw("GraniteForCausalLM")
+    raw.update(embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22, logits_scaling=8.0)
+    config = ModelConfig.from_hf_config(raw, device="cpu")
+    assert (config.embedding_multiplier, config.attention_scale, config.residual_multiplier,
+            config.logits_scaling) == (12.0, 0.015625, 0.22, 8.0)
+    raw = base_raw("SmolLM3ForCausalLM")
+    raw.update(num_hidden_layers=8, no_rope_layer_interval=4)
+    assert ModelConfig.from_hf_config(raw, device="cpu").rope_layers == (True, True, True, False) * 2
+
+
+def test_gelu_is_refused_for_llama_but_not_gemma():
+    raw = base_raw("GemmaForCausalLM")
+    raw["hidden_act"] = "gelu"
+    assert ModelConfig.from_hf_config(raw, device="cpu").hidden_act == "gelu"
+    raw["hidden_act"] = "relu"
+    with pytest.raises(ValueError, match="hidden_act 'relu'"):
+        ModelConfig.from_hf_config(raw, device="cpu")

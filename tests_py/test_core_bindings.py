@@ -171,3 +171,46 @@ def test_stats_and_views_for_the_engine_page():
     info = s.sequence(s.running_ids[0])
     assert info["status"] == "running" and info["token_ids"][:6] == list(range(3, 9))
     assert s.sequence(999) is None
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_sliding_window_scheduler_feeds_windowed_attention(prefix_caching):
+    """With sliding_window W the step's block tables hold -1 before each row's window, the sequence
+    holds about W / block_size + 1 blocks however long it grows (a 40-token prompt in a 6-block pool of
+    4-token blocks), and windowed paged attention over those tables matches a naive loop."""
+    import torch
+
+    from pagedserve import ops
+
+    window, bs, dim = 7, 4, 16
+    s = make_scheduler(num_blocks=6, block_size=bs, sliding_window=window, max_num_batched_tokens=8,
+                       enable_prefix_caching=prefix_caching)
+    gen = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(64, 1, dim, generator=gen), torch.randn(64, 1, dim, generator=gen)
+    key_cache = torch.full((6, 1, bs, dim), float("nan"))
+    value_cache = torch.full((6, 1, bs, dim), float("nan"))
+    s.add_sequence([3 + i % 5 for i in range(40)], max_tokens=6, ignore_eos=True)
+    steps = 0
+    while s.has_unfinished():
+        out = s.schedule()
+        positions = torch.from_numpy(out.positions.copy()).long()
+        slots = torch.from_numpy(out.slot_mapping.copy())
+        ops.reshape_and_cache(keys[positions], values[positions], key_cache, value_cache, slots)
+        tables = torch.from_numpy(out.block_tables.copy())
+        seq_len, q_len = int(out.seq_lens[0]), len(positions)
+        first = max(0, seq_len - q_len - window + 1)
+        assert (tables[0, :first // bs] == -1).all() and (tables[0, first // bs:(seq_len + bs - 1) // bs] >= 0).all()
+        query = torch.randn(q_len, 2, dim, generator=gen)
+        attn = torch.empty_like(query)
+        ops.paged_attention(attn, query, key_cache, value_cache, tables, torch.from_numpy(out.query_start_loc.copy()),
+                            torch.from_numpy(out.seq_lens.copy()), 0.25, q_len, seq_len, window=window)
+        for i, p in enumerate(positions.tolist()):
+            visible = range(max(0, p - window + 1), p + 1)
+            k, v = keys[list(visible), 0], values[list(visible), 0]
+            expected = torch.softmax(query[i] @ k.T * 0.25, -1) @ v
+            torch.testing.assert_close(attn[i], expected, rtol=1e-5, atol=1e-5)
+        s.update(np.full(out.total_samples, 5, dtype=np.int32))
+        assert s.pool.num_used <= (window - 1 + bs - 1) // bs + 1 + (8 + bs - 1) // bs
+        steps += 1
+    assert steps >= 10 and s.pool.num_free == 6 and s.pool.total_refs == 0
+    s.pool.check_invariants()

@@ -369,6 +369,7 @@ class Batch:
         self.scale = head_dim**-0.5
         self.max_query_len = max(q_lens)
         self.max_seq_len = max(s for _, s in rows)
+        self.window, self.softcap = 0, 0.0  # paged_attention's options (cpp/ops/attention_options.h)
 
     DEVICE_TENSORS = ("key_cache", "value_cache", "block_tables", "query_start_loc", "seq_lens", "query")
 
@@ -390,13 +391,14 @@ class Batch:
         workspace = self.workspace(max_seq_len) if workspace is None else workspace
         cuda_op("paged_attention", out, query, self.key_cache, self.value_cache, self.block_tables,
                 self.query_start_loc, self.seq_lens, self.scale, self.max_query_len, max_seq_len,
-                self.num_decodes, workspace, stream=stream)
+                self.num_decodes, workspace, self.window, self.softcap, stream=stream)
         return out
 
     def run_cpu(self):
         out = torch.full(self.query.shape, float("nan"), dtype=self.dtype)
         cpu_op("paged_attention", out, self.query.cpu(), self.key_cache.cpu(), self.value_cache.cpu(),
-               self.block_tables.cpu(), self.query_start_loc.cpu(), self.seq_lens.cpu(), self.scale)
+               self.block_tables.cpu(), self.query_start_loc.cpu(), self.seq_lens.cpu(), self.scale, 0, 0, 0, None,
+               self.window, self.softcap)
         return out
 
     def reference(self):
@@ -408,12 +410,18 @@ class Batch:
             positions = torch.arange(seq_len, device="cuda")
             blocks = self.block_tables[s].long()[positions // self.block_size]
             offsets = positions % self.block_size
-            k = self.key_cache[blocks, :, offsets].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
-            v = self.value_cache[blocks, :, offsets].double().repeat_interleave(group, dim=1)
+            # nan_to_num: keys poisoned before a window (hidden below) must not turn 0 * NaN into NaN here.
+            k = self.key_cache[blocks, :, offsets].double().nan_to_num().repeat_interleave(group, dim=1)  # [L, Hq, D]
+            v = self.value_cache[blocks, :, offsets].double().nan_to_num().repeat_interleave(group, dim=1)
             q = self.query[starts[s]:starts[s + 1]].double()  # [q_len, Hq, D]
             scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            if self.softcap > 0:
+                scores = self.softcap * torch.tanh(scores / self.softcap)
             query_pos = seq_len - q_len + torch.arange(q_len, device="cuda")
-            scores.masked_fill_(positions[None, None, :] > query_pos[None, :, None], float("-inf"))
+            hidden = positions[None, None, :] > query_pos[None, :, None]
+            if self.window > 0:
+                hidden |= positions[None, None, :] <= query_pos[None, :, None] - self.window
+            scores.masked_fill_(hidden, float("-inf"))
             out[starts[s]:starts[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         return out
 
@@ -503,6 +511,29 @@ def test_paged_attention_large_group_and_long_prefill(dtype):
     batch.check(batch.run_cuda(), seed, "group 32")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32)])
+@pytest.mark.parametrize("window,softcap", [(1, 0.0), (37, 0.0), (300, 0.0), (5000, 0.0), (0, 5.0), (129, 30.0)])
+def test_paged_attention_window_and_softcap(dtype, head_dim, block_size, window, softcap):
+    """Sliding windows (within a block, across split-K partitions, past every context) and soft-capping,
+    on decode, chunked prefill after a prefix, and whole prompts, against float64 and the CPU op.
+    Keys wholly before every query's window are NaN, so reading one fails the check."""
+    seed = fresh_seed()
+    seeded(seed)
+    rows = [(1, 1), (1, 40), (1, 1500), (1, 700), (90, 600), (200, 200), (7, 1000)]
+    batch = Batch(rows, 4 * 2, 2, head_dim, block_size, dtype)
+    batch.window, batch.softcap = window, softcap
+    if window:
+        for s, (q_len, seq_len) in enumerate(rows):  # poison what the op must not read
+            before = max(0, seq_len - q_len - window + 1) // block_size
+            blocks = batch.block_tables[s, :before].long()
+            batch.key_cache[blocks] = float("nan")
+            batch.value_cache[blocks] = float("nan")
+    if softcap:
+        batch.query *= 4  # so that the cap bends the scores
+    batch.check(batch.run_cuda(), seed, f"window {window} softcap {softcap}")
+
+
 def sdpa_rows(batch: Batch) -> torch.Tensor:
     """torch's scaled_dot_product_attention, one row per call as transformers calls it without a mask
     (kv heads as they are, enable_gqa, torch's choice of backend); rows are whole prompts
@@ -557,7 +588,7 @@ def test_paged_attention_leaves_padding_tokens_alone(dtype):
     workspace = batch.workspace()
     cuda_op("paged_attention", out, padded_query, batch.key_cache, batch.value_cache, batch.block_tables,
             batch.query_start_loc, batch.seq_lens, batch.scale, batch.max_query_len, batch.max_seq_len,
-            batch.num_decodes, workspace)
+            batch.num_decodes, workspace, 0, 0.0)
     batch.check(out[: batch.num_tokens], seed, "padded", cpu=False)
     assert torch.isnan(out[batch.num_tokens:]).all()
 

@@ -300,7 +300,7 @@ def test_wrong_device_and_bad_capsules(gen):
 # One call shape for the CPU and the CUDA module (cpp/bindings/op_binding.h)
 
 _SHARED_OPS = ["rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "reshape_and_cache",
-               "copy_blocks", "paged_attention", "sample_tokens"]
+               "copy_blocks", "paged_attention", "grouped_linear", "sample_tokens"]
 
 
 def _parameter_names(fn) -> list[str]:

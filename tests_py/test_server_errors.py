@@ -119,7 +119,8 @@ def test_chat_specific_errors(client, model):
     expect_error(lambda: chat(model=model, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]), 400, match="text")
     expect_error(lambda: chat(model=model, messages=[{"role": "user", "content": "hi"}], tools=[
-        {"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, param="tools")
+        {"type": "function", "function": {"name": "f", "parameters": "none"}}]), 400, param="tools",
+                 match="parameters")
 
 
 def test_unknown_model_is_404(client):

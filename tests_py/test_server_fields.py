@@ -243,8 +243,7 @@ README = __import__("pathlib").Path(__file__).resolve().parents[1] / "README.md"
 # Values for the refused rows whose field exists but is refused for some values; any other refused
 # field is unknown to the server, so any value is refused.
 REFUSED_VALUES = {
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "auto", "suffix": "tail", "best_of": 2, "echo": True, "logprobs": 1,
+    "suffix": "tail", "best_of": 2, "echo": True, "logprobs": 1,
 }
 BASE_BODIES = {"completions": {"prompt": "abc", "max_tokens": 2},
                "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
@@ -315,5 +314,8 @@ def test_accepted_fields_pass_and_null_unknown_fields_are_dropped():
         assert ok.status_code == 200, ok.text
         err = error_of(await client.post("/v1/chat/completions", json={"messages": [
             {"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}))
-        assert err["param"] == "messages.0.tool_calls" and "not supported" in err["message"]
+        assert err["param"] == "messages" and "tool_calls[0]" in err["message"]
+        err = error_of(await client.post("/v1/chat/completions", json={"messages": [
+            {"role": "user", "content": "x", "reasoning": "y"}]}))
+        assert err["param"] == "messages.0.reasoning" and "not supported" in err["message"]
     run(body)

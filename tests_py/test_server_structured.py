@@ -49,6 +49,36 @@ def test_json_schema_chat_streaming(client, model):
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def test_twenty_schemas_streamed_and_not(client, model):
+    """Each of the offline test's 20+ schemas through response_format json_schema (strict): every other one
+    streamed, every third with n = 2; sent concurrently so the engine batches constrained rows together."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_structured_outputs import SCHEMAS
+
+    def ask(i: int) -> list[str]:
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": SCHEMAS[i], "strict": True}}
+        kwargs = dict(model=model, messages=[{"role": "user", "content": "Answer with JSON: an example record."}],
+                      response_format=fmt, n=2 if i % 3 == 0 else 1, temperature=0.3, seed=i, max_tokens=200)
+        if i % 2 == 0:
+            return [(c.message.content, c.finish_reason) for c in client.chat.completions.create(**kwargs).choices]
+        texts, finish = {}, {}
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+                finish[c.index] = c.finish_reason or finish.get(c.index)
+        return [(texts[i], finish[i]) for i in sorted(texts)]
+
+    assert len(SCHEMAS) >= 20
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(ask, range(len(SCHEMAS))))
+    for i, choices in enumerate(results):
+        assert len(choices) == (2 if i % 3 == 0 else 1), (i, choices)
+        for text, finish in choices:
+            assert finish == "stop", (i, text)
+            jsonschema.validate(json.loads(text), SCHEMAS[i])
+
+
 def test_json_object(client, model):
     r = client.chat.completions.create(model=model, messages=CHAT, response_format={"type": "json_object"},
                                        temperature=0.0, max_tokens=128, extra_body={"repetition_penalty": 1.0})

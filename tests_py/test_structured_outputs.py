@@ -91,7 +91,7 @@ def test_params_validation():
         StructuredOutputsParams(json={"type": "object"}, regex="a+")
     with pytest.raises(RequestError):
         StructuredOutputsParams(choice=[])
-    with pytest.raises(RequestError, match="not supported"):
+    with pytest.raises(RequestError, match="needs structures and triggers"):
         StructuredOutputsParams(structural_tag={"type": "structural_tag"})
     params = SamplingParams(structured_outputs={"regex": "[0-9]+"})  # a dict is taken as the params
     assert params.structured_outputs.regex == "[0-9]+"
@@ -232,3 +232,26 @@ def test_grammar_end_ends_the_sequence_even_with_ignore_eos(llm):
                                                           structured_outputs=so), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.text in ("yes", "no")
     assert len(out.token_ids) <= 3
+
+
+def test_unbounded_numbers_get_the_interoperable_range():
+    from pagedserve.engine.grammar_backends import SAFE_INTEGER, bounded_numbers
+
+    schema = {"type": "object", "properties": {
+        "age": {"type": "integer"}, "x": {"type": "number", "minimum": 0},
+        "kind": {"const": {"type": "integer"}}, "items": {"type": "array", "items": {"type": "integer", "maximum": 9}}}}
+    out = bounded_numbers(schema)
+    assert out["properties"]["age"] == {"type": "integer", "minimum": -SAFE_INTEGER, "maximum": SAFE_INTEGER}
+    assert out["properties"]["x"] == {"type": "number", "minimum": 0, "maximum": SAFE_INTEGER}
+    assert out["properties"]["kind"] == {"const": {"type": "integer"}}  # data, not a subschema
+    assert out["properties"]["items"]["items"] == {"type": "integer", "maximum": 9, "minimum": -SAFE_INTEGER}
+    assert schema["properties"]["age"] == {"type": "integer"}  # the caller's schema is left alone
+
+
+def test_integer_digits_are_bounded(llm):
+    compiled = llm.llm_engine.grammars.compile(StructuredOutputsParams(json={"type": "integer"}))
+    tokenizer = llm.get_tokenizer()
+    for text, ok in (("9007199254740991", True), ("90071992547409910", False)):
+        matcher = compiled.new_matcher()
+        accepted = all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+        assert accepted == ok, text

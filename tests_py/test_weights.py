@@ -142,8 +142,8 @@ def test_no_checkpoint_files(tiny_checkpoint):
 
 def test_unknown_load_format(tiny_checkpoint):
     _, path = tiny_checkpoint()
-    with pytest.raises(ValueError, match="load_format 'pt'"):
-        load(path, load_format="pt")
+    with pytest.raises(ValueError, match="load_format 'gguf'"):
+        load(path, load_format="gguf")
 
 
 def dummy_config(dtype: str, **overrides) -> ModelConfig:

@@ -119,8 +119,8 @@ class PagedProblem:
     """
 
     def __init__(self, num_rows, q_len, seq_len, hq=32, hkv=8, head_dim=128, block_size=16, copies=1,
-                 dtype=torch.bfloat16):
-        self.num_rows, self.q_len, self.seq_len = num_rows, q_len, seq_len
+                 dtype=torch.bfloat16, window=0):
+        self.num_rows, self.q_len, self.seq_len, self.window = num_rows, q_len, seq_len, window
         self.hq, self.hkv, self.head_dim = hq, hkv, head_dim
         blocks_per_row = math.ceil(seq_len / block_size)
         blocks_per_copy = num_rows * blocks_per_row
@@ -145,11 +145,12 @@ class PagedProblem:
         def run(table):
             cuda_op("paged_attention", self.out, self.query, self.key_cache, self.value_cache, table,
                     self.query_start_loc, self.seq_lens, self.head_dim**-0.5, self.q_len, self.seq_len,
-                    self.num_decodes, self.workspace)
+                    self.num_decodes, self.workspace, self.window, 0.0)
         return [lambda t=t: run(t) for t in self.tables]
 
-    def kv_bytes(self):
-        return 2 * self.num_rows * self.seq_len * self.hkv * self.head_dim * self.key_cache.element_size()
+    def kv_bytes(self):  # a sliding window reads only its last `window` keys per decode row
+        context = min(self.seq_len, self.window) if self.window and self.q_len == 1 else self.seq_len
+        return 2 * self.num_rows * context * self.hkv * self.head_dim * self.key_cache.element_size()
 
     def io_bytes(self):  # K/V + Q read, out written
         return self.kv_bytes() + 2 * self.query.numel() * self.query.element_size()
@@ -158,12 +159,12 @@ class PagedProblem:
         return 4 * self.seq_len**2 / 2 * self.head_dim * self.hq * self.num_rows
 
 
-def decode_case(batch, context, args):
+def decode_case(batch, context, args, window=0):
     copies = max(1, math.ceil(ROTATE_BYTES / (2 * batch * context * 8 * 128 * 2)))
-    problem = PagedProblem(batch, 1, context, copies=min(copies, 64))
+    problem = PagedProblem(batch, 1, context, copies=min(copies, 64), window=window)
     ms = time_per_call_ms(problem.calls(), rounds=max(1, 8 // len(problem.tables)), repeat=args.repeat)
     gbs = problem.io_bytes() / (ms * 1e-3) / 1e9
-    return {"batch": batch, "context": context, "ms": ms, "gb_per_s": gbs}
+    return {"batch": batch, "context": context, "window": window, "ms": ms, "gb_per_s": gbs}
 
 
 def prefill_case(seq_len, args):
@@ -308,6 +309,11 @@ def main():
             print(f"decode {batch:4d} x {context:5d}: {row['ms']:.4f} ms  {row['gb_per_s']:6.0f} GB/s  "
                   f"{100 * row['fraction_of_copy']:5.1f} % of copy", flush=True)
     results["decode_sweep"] = sweep
+    # A sliding window reads only its window: time and bandwidth should scale with it, not the context.
+    results["decode_window"] = [decode_case(64, 8192, args, window=w) for w in (4096, 1024)]
+    for row in results["decode_window"]:
+        print(f"decode   64 x  8192, window {row['window']:5d}: {row['ms']:.4f} ms  {row['gb_per_s']:6.0f} GB/s",
+              flush=True)
     target = decode_case(64, 4096, args)
     fraction = target["gb_per_s"] / results["copy_gb_per_s"]
     results["decode_target"] = {**target, "fraction": fraction, "pass": fraction >= DECODE_TARGET}

@@ -31,10 +31,10 @@ def measure(shape: str | None, batch: int, steps: int) -> dict:
     device_ms: list[float] = []
     launch = worker.execute_async
 
-    def timed_launch(step, rows):
+    def timed_launch(step, rows, *rest):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        pending = launch(step, rows)
+        pending = launch(step, rows, *rest)
         end.record()
         timed_launch.events.append((start, end, step.num_decodes == step.num_seqs))
         return pending

@@ -53,8 +53,10 @@ struct OnHost<fn> {
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int /*max_query_len*/, int /*max_seq_len*/,
-                     int /*num_decodes*/, const std::optional<TensorView>& /*workspace*/, HostStream) {
-  ops::paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale);
+                     int /*num_decodes*/, const std::optional<TensorView>& /*workspace*/, int window, float softcap,
+                     HostStream) {
+  ops::paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
+                       {window, softcap});
 }
 
 void rope_cos_sin_cache(const TensorView& cos_sin, double theta, double factor, double low_freq_factor,
@@ -86,12 +88,17 @@ void bind_ops(py::module_& m) {
                    "Copies block src to dst for each (src, dst) row, in every layer's keys and values, in order.",
                    py::arg("kv_cache"), py::arg("block_copies"), stream);
   def_op<kRelease>(m, "paged_attention", &paged_attention,
-                   "Causal paged attention over a mixed varlen batch (see cpp/ops/ops.h). The CUDA launch bounds "
+                   "Causal paged attention over a mixed varlen batch (see cpp/ops/ops.h); window > 0: sliding "
+                   "window, softcap > 0: logit soft-capping (cpp/ops/attention_options.h). The CUDA launch bounds "
                    "and workspace are accepted and unused.",
                    py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
                    py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
                    py::arg("max_query_len") = 0, py::arg("max_seq_len") = 0, py::arg("num_decodes") = 0,
-                   py::arg("workspace") = py::none(), stream);
+                   py::arg("workspace") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0f, stream);
+  def_op<kRelease>(m, "grouped_linear", &OnHost<&ops::grouped_linear>::call,
+                   "Mixture-of-experts products: out[r] = x[r] weight[e]^T for the rows [expert_offsets[e], "
+                   "expert_offsets[e + 1]) of each expert e (cpp/ops/grouped_linear.h).",
+                   py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("expert_offsets"), stream);
   def_op<kRelease>(m, "sample_tokens", &OnHost<&ops::sample_tokens>::call,
                    "Gumbel-max sampling of one token per row: argmax(logits * inv_temperature + gumbel noise); "
                    "rows with inv_temperature <= 0 are greedy.",
@@ -110,6 +117,14 @@ void bind_ops(py::module_& m) {
   def_op<kRelease>(m, "packed_linear", &ops::packed_linear,
                    "out = x W^T (+ bias) in float32, W in packed bf16 tiles; x [M, K], out [M, N].",
                    py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("bias") = py::none());
+
+  def_op<kRelease>(m, "pack_grouped_weight", &ops::pack_grouped_weight,
+                   "Packs weight [E, N, K] into bf16 [E, ceil(N / 16), ceil(K / 32) * 16, 32] tiles, one "
+                   "pack_linear_weight per expert.",
+                   py::arg("packed_weight"), py::arg("weight"));
+  def_op<kRelease>(m, "packed_grouped_linear", &ops::packed_grouped_linear,
+                   "grouped_linear in float32 with packed bf16 expert weights; x [R, K], out [R, N] float32.",
+                   py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("expert_offsets"));
 
   m.def("set_num_threads", &ops::set_num_threads, py::arg("num_threads"),
         "Threads the CPU ops may use (the caller's thread included).");

@@ -66,14 +66,15 @@ void bind_scheduler(py::module_& m) {
   py::class_<SchedulerConfig>(m, "SchedulerConfig")
       .def(py::init([](int32_t num_blocks, int32_t block_size, int32_t max_num_seqs, int32_t max_num_batched_tokens,
                        int32_t max_model_len, bool enable_prefix_caching, double watermark,
-                       std::vector<TokenId> eos_token_ids) {
+                       std::vector<TokenId> eos_token_ids, int32_t sliding_window) {
              return SchedulerConfig{num_blocks,    block_size,           max_num_seqs, max_num_batched_tokens,
-                                    max_model_len, enable_prefix_caching, watermark,    std::move(eos_token_ids)};
+                                    max_model_len, enable_prefix_caching, watermark,    std::move(eos_token_ids),
+                                    sliding_window};
            }),
            py::kw_only(), py::arg("num_blocks"), py::arg("block_size") = 16, py::arg("max_num_seqs") = 256,
            py::arg("max_num_batched_tokens") = 8192, py::arg("max_model_len") = 8192,
            py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.01,
-           py::arg("eos_token_ids") = std::vector<TokenId>{})
+           py::arg("eos_token_ids") = std::vector<TokenId>{}, py::arg("sliding_window") = 0)
       .def_readonly("num_blocks", &SchedulerConfig::num_blocks)
       .def_readonly("block_size", &SchedulerConfig::block_size)
       .def_readonly("max_num_seqs", &SchedulerConfig::max_num_seqs)
@@ -81,7 +82,8 @@ void bind_scheduler(py::module_& m) {
       .def_readonly("max_model_len", &SchedulerConfig::max_model_len)
       .def_readonly("enable_prefix_caching", &SchedulerConfig::enable_prefix_caching)
       .def_readonly("watermark", &SchedulerConfig::watermark)
-      .def_readonly("eos_token_ids", &SchedulerConfig::eos_token_ids);
+      .def_readonly("eos_token_ids", &SchedulerConfig::eos_token_ids)
+      .def_readonly("sliding_window", &SchedulerConfig::sliding_window);
 
   py::class_<FinishedSeq>(m, "FinishedSeq")
       .def_readonly("seq_id", &FinishedSeq::id)
@@ -148,12 +150,15 @@ void bind_scheduler(py::module_& m) {
       .def(
           "add_sequence",
           [](Scheduler& s, const py::array_t<TokenId, py::array::c_style | py::array::forcecast>& prompt,
-             int32_t max_tokens, int32_t min_tokens, bool ignore_eos, std::vector<TokenId> stop_token_ids, int32_t n) {
+             int32_t max_tokens, int32_t min_tokens, bool ignore_eos, std::vector<TokenId> stop_token_ids, int32_t n,
+             bool use_prefix_cache) {
             return s.add_sequence(as_tokens(prompt),
-                                  StopParams{max_tokens, min_tokens, ignore_eos, std::move(stop_token_ids), n});
+                                  StopParams{max_tokens, min_tokens, ignore_eos, std::move(stop_token_ids), n},
+                                  use_prefix_cache);
           },
           py::arg("prompt_token_ids"), py::kw_only(), py::arg("max_tokens") = 16, py::arg("min_tokens") = 0,
           py::arg("ignore_eos") = false, py::arg("stop_token_ids") = std::vector<TokenId>{}, py::arg("n") = 1,
+          py::arg("use_prefix_cache") = true,
           "Queues a prompt; returns its sequence id.")
       .def("schedule",
            [](Scheduler& s) { return std::const_pointer_cast<StepOutput>(s.schedule()); })

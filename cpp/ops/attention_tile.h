@@ -9,6 +9,11 @@
 // values are folded into two rows at a time so each value load serves both.
 // Every function is inlined into the ISA-specific body (cpu_isa.h), and
 // nothing here allocates: scratch comes from the caller, one per worker.
+//
+// Options (attention_options.h): with a sliding window each row sees
+// positions [first visible, itself]; the tiles start at the item's earliest
+// visible position, so nothing before any row's window is read. Soft-capping
+// maps each tile's scores through c * tanh(s / c) before the softmax.
 #pragma once
 
 #include <algorithm>
@@ -18,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops/attention_options.h"
 #include "ops/cpu_isa.h"
 #include "ops/float_types.h"
 #include "ops/kv_cache_layout.h"
@@ -55,6 +61,7 @@ struct AttentionBatch {
   int64_t block_size;
   int64_t max_blocks_per_seq;
   float scale;
+  AttentionOptions options;
 
   int64_t group() const { return q_heads / kv_heads; }
 };
@@ -67,6 +74,7 @@ struct AttentionScratch {
         row_max(static_cast<size_t>(max_rows)),
         row_sum(static_cast<size_t>(max_rows)),
         row_rescale(static_cast<size_t>(max_rows)),
+        row_first(static_cast<size_t>(max_rows)),
         row_visible(static_cast<size_t>(max_rows)),
         probs(static_cast<size_t>(max_rows * kKeyTile)),
         keys(static_cast<size_t>(kKeyTile * head_dim)),
@@ -77,7 +85,8 @@ struct AttentionScratch {
   std::vector<float> row_max;        // [rows]
   std::vector<float> row_sum;        // [rows]
   std::vector<float> row_rescale;    // [rows] this tile's factor for acc
-  std::vector<int64_t> row_visible;  // [rows] context positions the row may see
+  std::vector<int64_t> row_first;    // [rows] the first position the row sees (its window's start)
+  std::vector<int64_t> row_visible;  // [rows] one past the last position the row sees (itself)
   std::vector<float> probs;          // [rows, kKeyTile] this tile's scores, then probabilities
   std::vector<float> keys;           // [kKeyTile, D] the key tile in float32 (16-bit caches only)
   std::vector<float> values;         // [kKeyTile, D] the value tile in float32 (16-bit caches only)
@@ -138,21 +147,31 @@ PS_ALWAYS_INLINE void score_tile(AttentionScratch& s, int64_t rows, int64_t d_si
   }
 }
 
-// Turns one row's scores into probabilities in place (0 past `visible`),
-// updates its running max and sum, and returns the factor acc must be
-// rescaled by (0 on the row's first tile, where the old max is -inf).
-PS_ALWAYS_INLINE float softmax_tile_row(float* scores, int visible, float& row_max, float& row_sum) {
-  if (visible <= 0) {  // every position of this tile is in the row's future
+// Soft-capping of the tile's scores: s = cap * tanh(s / cap).
+PS_ALWAYS_INLINE void softcap_tile(AttentionScratch& s, int64_t rows, float cap) {
+  const float inv_cap = 1.0f / cap;
+  for (int64_t k = 0; k < rows * kKeyTile; ++k) {
+    s.probs[static_cast<size_t>(k)] = cap * tanh_approx(s.probs[static_cast<size_t>(k)] * inv_cap);
+  }
+}
+
+// Turns one row's scores into probabilities in place (0 outside the row's
+// visible tile positions [begin, end)), updates its running max and sum, and
+// returns the factor acc must be rescaled by (0 on the row's first tile,
+// where the old max is -inf).
+PS_ALWAYS_INLINE float softmax_tile_row(float* scores, int begin, int end, float& row_max, float& row_sum) {
+  if (end <= begin) {  // every position of this tile is in the row's future or before its window
     std::fill_n(scores, kKeyTile, 0.0f);
     return 1.0f;
   }
-  float tile_max = scores[0];
-  for (int j = 1; j < visible; ++j) tile_max = std::max(tile_max, scores[j]);
+  float tile_max = scores[begin];
+  for (int j = begin + 1; j < end; ++j) tile_max = std::max(tile_max, scores[j]);
   const float new_max = std::max(row_max, tile_max);
   for (int j = 0; j < kKeyTile; ++j) scores[j] = exp_approx(scores[j] - new_max);
-  std::fill(scores + visible, scores + kKeyTile, 0.0f);
+  std::fill(scores, scores + begin, 0.0f);
+  std::fill(scores + end, scores + kKeyTile, 0.0f);
   float tile_sum = 0.0f;
-  for (int j = 0; j < visible; ++j) tile_sum += scores[j];
+  for (int j = begin; j < end; ++j) tile_sum += scores[j];
   const float rescale = exp_approx(row_max - new_max);
   row_sum = row_sum * rescale + tile_sum;
   row_max = new_max;
@@ -235,19 +254,24 @@ PS_ALWAYS_INLINE void attend_work_item(const AttentionBatch<T>& b, const Attenti
     std::fill_n(s.acc.data() + r * d_size, d_size, 0.0f);
     s.row_max[static_cast<size_t>(r)] = -std::numeric_limits<float>::infinity();
     s.row_sum[static_cast<size_t>(r)] = 0.0f;
+    s.row_first[static_cast<size_t>(r)] = b.options.first_visible(first_position + qi);
     s.row_visible[static_cast<size_t>(r)] = first_position + qi + 1;  // causal: itself and everything before
   }
 
+  // From the first row's window start (the earliest any row sees) to the last row.
+  const int64_t context_begin = b.options.first_visible(first_position + item.q_begin);
   const int64_t context_end = first_position + item.q_end;
-  for (int64_t first = 0; first < context_end; first += kKeyTile) {
+  for (int64_t first = context_begin; first < context_end; first += kKeyTile) {
     const int count = static_cast<int>(std::min<int64_t>(kKeyTile, context_end - first));
     attention_detail::load_kv_tile(b, table, item.kv_head, first, count, s);
     attention_detail::score_tile(s, rows, d_size, count);
+    if (b.options.softcap > 0.0f) attention_detail::softcap_tile(s, rows, b.options.softcap);
     for (int64_t r = 0; r < rows; ++r) {
       const auto i = static_cast<size_t>(r);
-      const int64_t visible = std::min<int64_t>(count, s.row_visible[i] - first);
-      s.row_rescale[i] = attention_detail::softmax_tile_row(s.probs.data() + r * kKeyTile, static_cast<int>(visible),
-                                                            s.row_max[i], s.row_sum[i]);
+      const int64_t begin = std::clamp<int64_t>(s.row_first[i] - first, 0, count);
+      const int64_t end = std::clamp<int64_t>(s.row_visible[i] - first, 0, count);
+      s.row_rescale[i] = attention_detail::softmax_tile_row(s.probs.data() + r * kKeyTile, static_cast<int>(begin),
+                                                            static_cast<int>(end), s.row_max[i], s.row_sum[i]);
     }
     if constexpr (!std::is_same_v<T, float>) {
       // Like FlashAttention and torch's SDPA in 16-bit models: the running sum

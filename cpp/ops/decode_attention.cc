@@ -52,6 +52,14 @@ constexpr int kKeys = 16;  // keys scored together: one zmm of results
   return _mm512_permutexvar_ps(order, sums);
 }
 
+// cap * tanh(v / cap) lane by lane (tanh_approx, as the tile kernel).
+[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE __m512 softcap_16(__m512 v, float cap) {
+  alignas(64) float lanes[kKeys];
+  _mm512_store_ps(lanes, _mm512_mul_ps(v, _mm512_set1_ps(1.0f / cap)));
+  for (float& lane : lanes) lane = cap * tanh_approx(lane);
+  return _mm512_load_ps(lanes);
+}
+
 PS_ALWAYS_INLINE void prefetch_row(const float* row, int64_t d_size) {
   for (int64_t d = 0; d < d_size; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
 }
@@ -61,10 +69,14 @@ template <int kChunks>
                                               float* scores) {
   const int64_t d_size = b.head_dim;
   const int64_t group = b.group();
-  const int64_t seq_len = b.seq_lens[item.seq];
   const int64_t token = b.query_start_loc[item.seq];
   const int32_t* table = b.block_tables + item.seq * b.max_blocks_per_seq;
-  const auto row_offset = [&](int64_t pos) {
+  // The row sees positions [begin, seq_len) (its window); scores[i] and row_offset(i) are position begin + i.
+  const int64_t begin = b.options.first_visible(b.seq_lens[item.seq] - 1);
+  const int64_t num_visible = b.seq_lens[item.seq] - begin;
+  const float cap = b.options.softcap;
+  const auto row_offset = [&](int64_t i) {
+    const int64_t pos = begin + i;
     return kv_cache_offset(table[pos / b.block_size], item.kv_head, pos % b.block_size, b.kv_heads, b.block_size,
                            d_size);
   };
@@ -78,10 +90,10 @@ template <int kChunks>
     // context from memory: it prefetches the next tile's keys and this
     // tile's values, which the other heads and the value pass then find in cache.
     float row_max = -std::numeric_limits<float>::infinity();
-    for (int64_t first = 0; first < seq_len; first += kKeys) {
-      const int count = static_cast<int>(std::min<int64_t>(kKeys, seq_len - first));
+    for (int64_t first = 0; first < num_visible; first += kKeys) {
+      const int count = static_cast<int>(std::min<int64_t>(kKeys, num_visible - first));
       if (g == 0) {
-        const int64_t next_count = std::min<int64_t>(kKeys, seq_len - first - kKeys);
+        const int64_t next_count = std::min<int64_t>(kKeys, num_visible - first - kKeys);
         for (int64_t j = 0; j < next_count; ++j) prefetch_row(b.key_cache + row_offset(first + kKeys + j), d_size);
         for (int64_t j = 0; j < count; ++j) prefetch_row(b.value_cache + row_offset(first + j), d_size);
       }
@@ -93,7 +105,8 @@ template <int kChunks>
         for (int c = 0; c < kChunks; ++c) partial[j] = _mm512_fmadd_ps(_mm512_loadu_ps(key + 16 * c), q[c], partial[j]);
       }
       const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
-      const __m512 tile = reduce_16(partial);
+      __m512 tile = reduce_16(partial);
+      if (cap > 0.0f) tile = softcap_16(tile, cap);
       _mm512_mask_storeu_ps(scores + first, valid, tile);
       row_max = std::max(row_max, _mm512_mask_reduce_max_ps(valid, tile));
     }
@@ -101,13 +114,13 @@ template <int kChunks>
     // Softmax numerators (exp_approx, as the tile kernel) and their sum.
     float lanes[kLanes] = {};
     int64_t j = 0;
-    for (; j + kLanes <= seq_len; j += kLanes) {
+    for (; j + kLanes <= num_visible; j += kLanes) {
       for (int l = 0; l < kLanes; ++l) {
         scores[j + l] = exp_approx(scores[j + l] - row_max);
         lanes[l] += scores[j + l];
       }
     }
-    for (; j < seq_len; ++j) {
+    for (; j < num_visible; ++j) {
       scores[j] = exp_approx(scores[j] - row_max);
       lanes[0] += scores[j];
     }
@@ -116,7 +129,7 @@ template <int kChunks>
     // Values.
     __m512 acc[kChunks];
     for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t pos = 0; pos < seq_len; ++pos) {
+    for (int64_t pos = 0; pos < num_visible; ++pos) {
       const float* value = b.value_cache + row_offset(pos);
       const __m512 p = _mm512_set1_ps(scores[pos]);
       for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * c), acc[c]);

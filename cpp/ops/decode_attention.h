@@ -7,7 +7,9 @@
 // dot-product reductions. A decode row has one query, so this path computes
 // all of its scores first (16 keys at once: 16 partial-dot vectors reduced
 // together by a shuffle tree), then one softmax over the whole row, then the
-// value sum: the same float32 math without the per-tile rescaling.
+// value sum: the same float32 math without the per-tile rescaling. A sliding
+// window starts the row at its window; soft-capping maps the scores with the
+// tile kernel's tanh_approx (attention_options.h).
 #pragma once
 
 #include <cstdint>

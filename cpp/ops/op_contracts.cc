@@ -1,5 +1,6 @@
 #include "ops/op_contracts.h"
 
+#include <cmath>
 #include <string>
 
 #include "ops/kv_cache_layout.h"
@@ -71,10 +72,11 @@ void check_norm(Device device, std::string_view op, std::string_view out_name, c
 }
 
 // Query ranges must tile a prefix of the tokens; each sequence's context must
-// hold its queries, fit its block table and name existing blocks.
+// hold its queries, fit its block table and name existing blocks where the
+// kernel reads them (from the first query's window on).
 void check_attention_batch(std::string_view op, const TensorView& query, const TensorView& key_cache,
                            const TensorView& block_tables, const TensorView& query_start_loc,
-                           const TensorView& seq_lens) {
+                           const TensorView& seq_lens, const AttentionOptions& options) {
   const int32_t* starts = query_start_loc.ptr<int32_t>();
   const int32_t* lens = seq_lens.ptr<int32_t>();
   const int64_t num_seqs = seq_lens.size(0);
@@ -97,7 +99,8 @@ void check_attention_batch(std::string_view op, const TensorView& query, const T
                row + "seq_lens = " + std::to_string(lens[s]) + " needs " + std::to_string(blocks_needed) +
                    " blocks, the block table has " + std::to_string(max_blocks));
     const int32_t* table = block_tables.ptr<int32_t>() + s * max_blocks;
-    for (int64_t i = 0; i < blocks_needed; ++i) {
+    const int64_t first_read = options.first_visible(lens[s] - q_len) / block_size;
+    for (int64_t i = first_read; i < blocks_needed; ++i) {
       PS_REQUIRE(table[i] >= 0 && table[i] < num_blocks, op,
                  row + "block_tables[" + std::to_string(i) + "] = " + std::to_string(table[i]) +
                      " is not a block id in [0, " + std::to_string(num_blocks) + ")");
@@ -215,8 +218,12 @@ void check_copy_blocks(Device device, const TensorView& kv_cache, const TensorVi
 
 void check_paged_attention(Device device, const TensorView& out, const TensorView& query, const TensorView& key_cache,
                            const TensorView& value_cache, const TensorView& block_tables,
-                           const TensorView& query_start_loc, const TensorView& seq_lens) {
+                           const TensorView& query_start_loc, const TensorView& seq_lens,
+                           const AttentionOptions& options) {
   Args a("paged_attention", device);
+  PS_REQUIRE(options.window >= 0, a.op(), "window must be >= 0 (0: off), got " + std::to_string(options.window));
+  PS_REQUIRE(options.softcap >= 0.0f && std::isfinite(options.softcap), a.op(),
+             "softcap must be finite and >= 0 (0: off), got " + std::to_string(options.softcap));
   a.floats("query", query, 3);
   a.like("out", out, query);
   a.kv_caches(key_cache, value_cache, query, query.size(2));
@@ -231,7 +238,39 @@ void check_paged_attention(Device device, const TensorView& out, const TensorVie
   const int64_t num_seqs = seq_lens.size(0);
   a.size("query_start_loc", query_start_loc, 0, num_seqs + 1);
   a.size("block_tables", block_tables, 0, num_seqs);
-  if (a.reads_indices()) check_attention_batch(a.op(), query, key_cache, block_tables, query_start_loc, seq_lens);
+  if (a.reads_indices()) check_attention_batch(a.op(), query, key_cache, block_tables, query_start_loc, seq_lens,
+                                                  options);
+}
+
+void check_grouped_linear(Device device, const TensorView& out, const TensorView& x, const TensorView& weight,
+                          const TensorView& expert_offsets) {
+  Args a("grouped_linear", device);
+  a.floats("x", x, 2);
+  a.floats("weight", weight, 3);
+  a.same_dtype("weight", weight, x);
+  a.size("weight", weight, 2, x.size(1));
+  a.floats("out", out, 2);
+  a.same_dtype("out", out, x);
+  a.size("out", out, 0, x.size(0));
+  a.size("out", out, 1, weight.size(1));
+  a.of("expert_offsets", expert_offsets, 1, DType::kInt32);
+  PS_REQUIRE(x.size(1) > 0, a.op(), "x must have a non-empty last dim, got " + x.describe());
+  if (a.reads_indices()) {
+    require_expert_offsets(a.op(), expert_offsets, weight.size(0), x.size(0));
+  } else {
+    a.size("expert_offsets", expert_offsets, 0, weight.size(0) + 1);
+  }
+}
+
+void require_expert_offsets(std::string_view op, const TensorView& offsets, int64_t num_experts, int64_t rows) {
+  require_size(op, "expert_offsets", offsets, 0, num_experts + 1);
+  const int32_t* bounds = offsets.ptr<int32_t>();
+  for (int64_t e = 0; e <= num_experts; ++e) {
+    const int64_t previous = e == 0 ? 0 : bounds[e - 1];
+    PS_REQUIRE(bounds[e] >= previous && bounds[e] <= rows, op,
+               "expert_offsets must be non-decreasing within [0, " + std::to_string(rows) + "], got [" +
+                   std::to_string(e) + "] = " + std::to_string(bounds[e]));
+  }
 }
 
 void check_sample_tokens(Device device, const TensorView& out, const TensorView& logits,

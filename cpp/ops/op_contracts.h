@@ -27,6 +27,7 @@
 
 #include <string_view>
 
+#include "ops/attention_options.h"
 #include "ops/tensor_view.h"
 
 namespace pagedserve::ops {
@@ -59,12 +60,20 @@ void check_copy_blocks(Device device, const TensorView& kv_cache, const TensorVi
 // paged_attention: query and out [T, Hq, D] float; key_cache and value_cache
 // [N, Hkv, B, D] float, Hq a multiple of Hkv, B > 0; block_tables
 // [S, max_blocks], query_start_loc [S + 1] and seq_lens [S] int32.
+// options: window >= 0; softcap >= 0 and finite.
 // CPU: the query ranges are non-decreasing and lie within the T tokens; each
 // sequence with queries holds at least q_len positions, fits its block table
-// and names existing blocks.
+// and names existing blocks where it will read them (with a window, entries
+// wholly before the first query's window are not read and not checked).
 void check_paged_attention(Device device, const TensorView& out, const TensorView& query, const TensorView& key_cache,
                            const TensorView& value_cache, const TensorView& block_tables,
-                           const TensorView& query_start_loc, const TensorView& seq_lens);
+                           const TensorView& query_start_loc, const TensorView& seq_lens,
+                           const AttentionOptions& options = {});
+
+// grouped_linear: x [T, K] float, K > 0; out [T, N]; weight [E, N, K];
+// expert_offsets [E + 1] int32. CPU: the offsets are non-decreasing and lie in [0, T].
+void check_grouped_linear(Device device, const TensorView& out, const TensorView& x, const TensorView& weight,
+                          const TensorView& expert_offsets);
 
 // sample_tokens: logits [R, V] float, V > 0; out [R] int32; inv_temperature [R] float32.
 void check_sample_tokens(Device device, const TensorView& out, const TensorView& logits,
@@ -80,6 +89,9 @@ void require_float_tensor(std::string_view op, std::string_view arg, const Tenso
 // ... of dtype `dtype`.
 void require_tensor_of(std::string_view op, std::string_view arg, const TensorView& t, Device device, int ndim,
                        DType dtype);
+// expert_offsets: [num_experts + 1] int32, non-decreasing within [0, rows]
+// (the entries are read, so only on the CPU).
+void require_expert_offsets(std::string_view op, const TensorView& offsets, int64_t num_experts, int64_t rows);
 // On the same GPU as `like` (CPU tensors share the host).
 void require_same_device(std::string_view op, std::string_view arg, const TensorView& t, const TensorView& like);
 

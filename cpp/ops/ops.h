@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "attention_options.h"
 #include "tensor_view.h"
 
 namespace pagedserve::ops {
@@ -61,12 +62,15 @@ void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies);
 // positions [seq_lens[s] - q_len, seq_lens[s]); query i attends causally to
 // positions [0, seq_lens[s] - q_len + i] read through block_tables[s].
 // GQA: query head h reads kv head h / (Hq / Hkv). Softmax in float32 with
-// `scale`; out is written for every token of every sequence.
+// `scale`; out is written for every token of every sequence. options: a
+// sliding window (which narrows "positions [0, ...]" above to the window) and
+// logit soft-capping, both off by default (attention_options.h).
 // out, query: [T, Hq, D]; key_cache, value_cache: [N, Hkv, B, D];
 // block_tables: [S, max_blocks] int32; query_start_loc: [S + 1] int32; seq_lens: [S] int32.
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,
-                     const TensorView& query_start_loc, const TensorView& seq_lens, float scale);
+                     const TensorView& query_start_loc, const TensorView& seq_lens, float scale,
+                     const AttentionOptions& options = {});
 
 // Packs a linear layer's weight [N, K] (float32 / float16 / bfloat16, rounded
 // to bf16) into packed: [ceil(N / 16), round_up(K, 32) / 2, 32] bfloat16
@@ -77,6 +81,25 @@ void pack_linear_weight(const TensorView& packed, const TensorView& weight);
 // x: [M, K] float32; out: [M, N] float32; bias: [N] float32.
 void packed_linear(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
                    const std::optional<TensorView>& bias);
+
+// Mixture-of-experts expert products, rows grouped by expert
+// (grouped_linear.h has the layout): for each expert e, rows
+// [expert_offsets[e], expert_offsets[e + 1]) of x times weight[e]^T:
+//   out[r] = x[r] W_e^T,   out[r, n] = sum_k x[r, k] weight[e, n, k].
+// Float32 accumulation, one rounding to the dtype. Rows outside
+// [expert_offsets[0], expert_offsets[E]) are not written.
+// out: [T, N]; x: [T, K]; weight: [E, N, K]; expert_offsets: [E + 1] int32.
+void grouped_linear(const TensorView& out, const TensorView& x, const TensorView& weight,
+                    const TensorView& expert_offsets);
+
+// The CPU's bf16 variant of grouped_linear for float32 models with bf16
+// checkpoints: each expert's weight packed as pack_linear_weight packs one,
+// packed: [E, ceil(N / 16), round_up(K, 32) / 2, 32] bfloat16, and each
+// expert's rows run through packed_linear (AMX / AVX-512 kernels).
+// weight: [E, N, K] float; x: [R, K] float32; out: [R, N] float32.
+void pack_grouped_weight(const TensorView& packed, const TensorView& weight);
+void packed_grouped_linear(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
+                           const TensorView& expert_offsets);
 
 // Samples one token per row in one pass over the logits:
 //   out[r] = argmax_v (logits[r, v] * inv_temperature[r] + gumbel(key_r, v))

@@ -35,7 +35,7 @@ struct WorkPlan {
 };
 
 WorkPlan plan_work(const TensorView& query_start_loc, const TensorView& seq_lens, int64_t kv_heads, int64_t group,
-                   int64_t head_dim) {
+                   int64_t head_dim, const AttentionOptions& options) {
   const int32_t* starts = query_start_loc.ptr<int32_t>();
   const int32_t* lens = seq_lens.ptr<int32_t>();
   const int64_t queries_per_item = std::max<int64_t>(1, kRowsPerItem / group);
@@ -47,8 +47,10 @@ WorkPlan plan_work(const TensorView& query_start_loc, const TensorView& seq_lens
     for (int64_t q_begin = 0; q_begin < q_len; q_begin += queries_per_item) {
       const int64_t q_end = std::min(q_len, q_begin + queries_per_item);
       const int64_t rows = (q_end - q_begin) * group;
-      // Two multiply-adds (score, value) per row, position and dim make one work unit.
-      const int64_t cost = rows * (first_position + q_end) * head_dim;
+      // Two multiply-adds (score, value) per row, position and dim make one work unit;
+      // a window bounds the positions the item reads (attend_work_item).
+      const int64_t context = first_position + q_end - options.first_visible(first_position + q_begin);
+      const int64_t cost = rows * context * head_dim;
       plan.max_rows = std::max(plan.max_rows, rows);
       plan.max_seq_len = std::max<int64_t>(plan.max_seq_len, lens[s]);
       plan.total_work += cost * kv_heads;
@@ -67,12 +69,13 @@ WorkPlan plan_work(const TensorView& query_start_loc, const TensorView& seq_lens
 
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
-                     const TensorView& seq_lens, float scale) {
-  check_paged_attention(Device::kCPU, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens);
+                     const TensorView& seq_lens, float scale, const AttentionOptions& options) {
+  check_paged_attention(Device::kCPU, out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                        options);
   const int64_t q_heads = query.size(1);
   const int64_t kv_heads = key_cache.size(1);
   const int64_t head_dim = query.size(2);
-  const WorkPlan plan = plan_work(query_start_loc, seq_lens, kv_heads, q_heads / kv_heads, head_dim);
+  const WorkPlan plan = plan_work(query_start_loc, seq_lens, kv_heads, q_heads / kv_heads, head_dim, options);
   if (plan.items.empty()) return;
 
   dispatch_float(query.dtype, kOp, [&]<typename T>() {
@@ -88,7 +91,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                                   head_dim,
                                   key_cache.size(2),
                                   block_tables.size(1),
-                                  scale};
+                                  scale,
+                                  options};
     const ParallelRun run = parallel_run(plan.total_work);
     std::vector<AttentionScratch> scratch;
     scratch.reserve(static_cast<size_t>(run.num_workers()));

@@ -33,9 +33,10 @@ using ops::TensorView;
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
-                     const std::optional<TensorView>& workspace, cudaStream_t stream) {
+                     const std::optional<TensorView>& workspace, int window, float softcap, cudaStream_t stream) {
   cuda::paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
-                        max_query_len, max_seq_len, num_decodes, workspace.value_or(TensorView{}), stream);
+                        max_query_len, max_seq_len, num_decodes, workspace.value_or(TensorView{}), {window, softcap},
+                        stream);
 }
 
 }  // namespace
@@ -66,11 +67,16 @@ void bind_cuda_ops(py::module_& m) {
   def_op<kHold>(m, "paged_attention", &paged_attention,
                 "Causal paged attention over a mixed batch: decode rows [0, num_decodes) run the split-K decode "
                 "kernel, the rest the prefill kernel. workspace (or None when no decode row spans two "
-                "partitions): at least paged_attention_workspace_bytes(num_decodes, Hq, D, max_seq_len) bytes.",
+                "partitions): at least paged_attention_workspace_bytes(num_decodes, Hq, D, max_seq_len) bytes. "
+                "window > 0: sliding window, softcap > 0: logit soft-capping (cpp/ops/attention_options.h).",
                 py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
                 py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
                 py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("num_decodes"),
-                py::arg("workspace").none(true), stream);
+                py::arg("workspace").none(true), py::arg("window"), py::arg("softcap"), stream);
+  def_op<kHold>(m, "grouped_linear", &cuda::grouped_linear,
+                "Mixture-of-experts products: out[r] = x[r] weight[e]^T for the rows [expert_offsets[e], "
+                "expert_offsets[e + 1]) of each expert e (cpp/ops/grouped_linear.h).",
+                py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("expert_offsets"), stream);
   def_op<kHold>(m, "sample_tokens", &cuda::sample_tokens,
                 "Gumbel-max sampling of one token per row (see cpp/ops/ops.h).",
                 py::arg("out"), py::arg("logits"), py::arg("inv_temperature"), py::arg("seed"), stream);

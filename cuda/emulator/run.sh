@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles the CUDA ops for the host with the emulator and checks them against
 # the CPU reference ops. No GPU needed; about a minute (two with ASan).
-#   cuda/emulator/run.sh [elementwise|attention]       SANITIZE=1 for ASan + UBSan
+#   cuda/emulator/run.sh [elementwise|attention|attention_options|grouped_linear]       SANITIZE=1 for ASan + UBSan
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
@@ -13,5 +13,5 @@ FLAGS=(-std=c++20 -O1 -g -w -pthread -include "$HERE/emu_runtime.h" -I "$OUT/src
 if [[ "${SANITIZE:-0}" == 1 ]]; then FLAGS+=(-fsanitize=address,undefined -fno-sanitize-recover=undefined); fi
 KERNELS=("$OUT"/src/*.cc)
 CPU_OPS=("$ROOT"/cpp/ops/*.cc)
-"${CXX:-g++}" "${FLAGS[@]}" "$HERE/emulate_ops.cc" "${KERNELS[@]}" "${CPU_OPS[@]}" -o "$OUT/emulate_ops"
+"${CXX:-g++}" "${FLAGS[@]}" "$HERE"/emulate_*.cc "${KERNELS[@]}" "${CPU_OPS[@]}" -o "$OUT/emulate_ops"
 ASAN_OPTIONS=detect_leaks=0 "$OUT/emulate_ops" "$@"

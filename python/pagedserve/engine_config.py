@@ -33,8 +33,9 @@ class EngineConfig:
                        choices=("auto", "bfloat16", "float16", "float32"))
     device: Optional[str] = _knob(None, "where the model runs (default: cuda when available, else cpu)",
                                   choices=("cuda", "cpu"))
-    load_format: str = _knob("auto", "dummy: seeded random weights for the model's config (benchmarking)",
-                             choices=("auto", "safetensors", "dummy"))
+    load_format: str = _knob("auto", "auto: safetensors if present, else PyTorch .bin/.pt (pt); dummy: seeded "
+                                     "random weights for the model's config (benchmarking)",
+                             choices=("auto", "safetensors", "pt", "dummy"))
     seed: int = _knob(0, "random seed (sampling is reproducible for a given seed)")
     max_model_len: Optional[int] = _knob(None, "context limit, prompt + output tokens (default: the model's "
                                                "max_position_embeddings, lowered to what the KV cache holds)")

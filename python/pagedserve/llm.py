@@ -77,15 +77,18 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: Optional[str] = None,
              continue_final_message: bool = False,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+             chat_template_kwargs: Optional[dict[str, Any]] = None,
+             tools: Optional[list[dict[str, Any]]] = None) -> list[RequestOutput]:
         """Applies the model's chat template (or `chat_template`, its text) to each conversation, then
         generates. continue_final_message (with add_generation_prompt=False) continues the last
-        assistant message; chat_template_kwargs become template variables (e.g. enable_thinking)."""
+        assistant message; chat_template_kwargs become template variables (e.g. enable_thinking);
+        tools (OpenAI function tools) are given to the template, as vLLM's LLM.chat does (the reply is
+        text: the server's tool_choice and parsers are the API's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         prompts = [{"prompt_token_ids": apply_chat_template(
             tok, conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)}
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs, tools=tools)}
             for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

@@ -30,12 +30,15 @@ __all__ = [
     "reshape_and_cache",
     "copy_blocks",
     "paged_attention",
+    "grouped_linear",
     "set_num_threads",
     "num_threads",
     "cpu_isa",
     "sample_tokens",
     "pack_linear_weight",
     "packed_linear",
+    "pack_grouped_weight",
+    "packed_grouped_linear",
 ]
 
 
@@ -137,16 +140,20 @@ def copy_blocks(kv_cache: torch.Tensor, block_copies: torch.Tensor) -> None:
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_query_len: int, max_seq_len: int, num_decodes: int = 0,
-                    workspace: Optional[torch.Tensor] = None) -> None:
+                    workspace: Optional[torch.Tensor] = None, window: int = 0, softcap: float = 0.0) -> None:
     """Causal attention of each sequence's queries over its paged context (see cpp/ops/ops.h).
 
     max_query_len, max_seq_len and num_decodes are host-side launch bounds for the CUDA kernels and
     workspace their split-K scratch; the CPU kernel takes and ignores them.
+    window > 0: sliding window, the query at position p sees keys p - window < k <= p (transformers'
+    sliding_window_causal); blocks wholly before every query's window are never read, so their block-table
+    entries may hold anything. softcap > 0: scores s = scale * q.k become softcap * tanh(s / softcap) before
+    the softmax (Gemma 2). 0 turns either off (cpp/ops/attention_options.h).
     """
     kernels, stream = _backend(query)
     kernels.paged_attention(_dl(out), _dl(query), _dl(key_cache), _dl(value_cache), _dl(block_tables),
                             _dl(query_start_loc), _dl(seq_lens), scale, max_query_len, max_seq_len, num_decodes,
-                            None if workspace is None else _dl(workspace), stream)
+                            None if workspace is None else _dl(workspace), int(window), float(softcap), stream)
 
 
 def paged_attention_workspace(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int,
@@ -156,6 +163,18 @@ def paged_attention_workspace(num_seqs: int, num_heads: int, head_dim: int, max_
         return None
     nbytes = _core.cuda_ops.paged_attention_workspace_bytes(num_seqs, num_heads, head_dim, max_seq_len)
     return torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=device)
+
+
+def grouped_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor) -> None:
+    """Mixture-of-experts expert products in one call (layout: cpp/ops/grouped_linear.h).
+
+    x [R, K]: rows sorted by expert; expert_offsets [E + 1] int32: expert e owns rows
+    expert_offsets[e]:expert_offsets[e + 1]; weight [E, N, K]: each expert's nn.Linear weight.
+    out [R, N]: out[r] = x[r] @ weight[e].T for every row of every expert (float32 accumulation);
+    rows outside expert_offsets[0]:expert_offsets[E] are not written. All float tensors share a dtype.
+    """
+    kernels, stream = _backend(x)
+    kernels.grouped_linear(_dl(out), _dl(x), _dl(weight), _dl(expert_offsets), stream)
 
 
 def sample_tokens(out: torch.Tensor, logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int) -> None:
@@ -179,6 +198,22 @@ def packed_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tenso
                   bias: Optional[torch.Tensor] = None) -> None:
     """out = x W^T (+ bias) in float32 on the CPU, W from pack_linear_weight. x [M, K], out [M, N] float32."""
     _cpu_ops.packed_linear(_dl(out), _dl(x), _dl(packed_weight), None if bias is None else _dl(bias))
+
+
+def pack_grouped_weight(weight: torch.Tensor) -> torch.Tensor:
+    """CPU expert weights [E, N, K] in packed_linear's bf16 tiles, one expert after another:
+    [E, ceil(N / 16), round_up(K, 32) / 2, 32] bfloat16 (values rounded to bf16)."""
+    experts, out_features, in_features = weight.shape
+    packed = torch.empty((experts, (out_features + 15) // 16, (in_features + 31) // 32 * 16, 32), dtype=torch.bfloat16)
+    _cpu_ops.pack_grouped_weight(_dl(packed), _dl(weight))
+    return packed
+
+
+def packed_grouped_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tensor,
+                          expert_offsets: torch.Tensor) -> None:
+    """grouped_linear on the CPU in float32 with weights from pack_grouped_weight: each expert's rows
+    expert_offsets[e]:expert_offsets[e + 1] of x [R, K] through packed_linear into out [R, N] (float32)."""
+    _cpu_ops.packed_grouped_linear(_dl(out), _dl(x), _dl(packed_weight), _dl(expert_offsets))
 
 
 def set_num_threads(num_threads: int) -> None:

@@ -63,4 +63,6 @@ class RequestOutput:
     metrics: RequestMetrics
     error: Optional[str] = None  # set when the engine rejected the request after accepting it
     num_cached_tokens: int = 0
-    prompt_logprobs: None = field(default=None, repr=False)  # not computed; kept for vLLM compatibility
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token_id: Logprob} per prompt
+    # token (the token itself and the top-N). A stream hands them back with its first output only.
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = field(default=None, repr=False)

@@ -51,6 +51,7 @@ class SamplingParams:
     max_tokens: Optional[int] = 16  # None: bounded only by the model's context
     min_tokens: int = 0
     logprobs: Optional[int] = None  # top-N raw logprobs per sampled token; 0: the sampled one only
+    prompt_logprobs: Optional[int] = None  # top-N raw logprobs per prompt position; 0: the prompt token only
     skip_special_tokens: bool = True
     # Logits processors, applied before every other sampling parameter (vLLM's names):
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, in [-100, 100]
@@ -120,6 +121,11 @@ class SamplingParams:
             _require_int("logprobs", self.logprobs)
             if self.logprobs < 0:
                 raise RequestError(f"logprobs must be at least 0 (or None), got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None:
+            _require_int("prompt_logprobs", self.prompt_logprobs)
+            if self.prompt_logprobs < 0:
+                raise RequestError(f"prompt_logprobs must be at least 0 (or None), got {self.prompt_logprobs}",
+                                   "prompt_logprobs")
         if self.seed is not None:
             _require_int("seed", self.seed)
 
@@ -225,8 +231,11 @@ class SamplingParams:
 class StructuredOutputsParams:
     """Constrains a request's output to a grammar; exactly one kind is set (vLLM's names).
     json: a JSON schema (dict or JSON text); regex; choice: the output is one of these strings;
-    grammar: an EBNF (GBNF) grammar; json_object: any JSON object. The engine compiles it when
-    the request is added (pagedserve.engine.grammar); one that does not compile is a RequestError."""
+    grammar: an EBNF (GBNF) grammar; json_object: any JSON object; structural_tag: free text in which
+    a trigger starts a tag whose content must follow a schema (a dict or JSON text, vLLM's legacy
+    {"structures", "triggers"} form or xgrammar's {"format"} form; kept parsed, as a dict; see
+    pagedserve.engine.structural_tag). The engine compiles it when the request is added
+    (pagedserve.engine.grammar); one that does not compile is a RequestError."""
 
     json: Optional[Union[str, dict]] = None
     regex: Optional[str] = None
@@ -239,11 +248,13 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         kinds = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
         if len(kinds) != 1:
-            raise RequestError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object "
+            raise RequestError("structured_outputs needs exactly one of json, regex, choice, grammar, json_object, "
+                               "structural_tag "
                                f"(got {', '.join(kinds) if kinds else 'none'})", "structured_outputs")
-        if self.structural_tag is not None:
-            raise RequestError("structured_outputs.structural_tag is not supported yet", "structured_outputs",
-                               "unsupported")
+        if self.structural_tag is not None:  # checked now, so a malformed tag never reaches the engine
+            from pagedserve.engine import structural_tag
+
+            object.__setattr__(self, "structural_tag", structural_tag.parse(self.structural_tag))
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise RequestError("structured_outputs.json must be a JSON schema (a dict or JSON text)",
                                "structured_outputs")

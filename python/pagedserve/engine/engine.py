@@ -27,6 +27,7 @@ import numpy as np
 from pagedserve import _core
 from pagedserve.engine.grammar import Grammars
 from pagedserve.engine.info import EngineInfo
+from pagedserve.engine.prompt_logprobs import PromptLogprobs
 from pagedserve.engine.request import Request
 from pagedserve.engine.sequences import REJECTED_ERROR, Sequences
 from pagedserve.engine.snapshot import engine_snapshot
@@ -65,7 +66,8 @@ class LLMEngine:
         self.scheduler = _core.Scheduler(_core.SchedulerConfig(
             num_blocks=plan.num_blocks, block_size=plan.block_size, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=plan.max_model_len,
-            enable_prefix_caching=self.config.enable_prefix_caching, eos_token_ids=self.eos_token_ids))
+            enable_prefix_caching=self.config.enable_prefix_caching, eos_token_ids=self.eos_token_ids,
+            sliding_window=self.model_config.kv_window))  # blocks behind an all-layer window go back to the pool
         self.limits = EngineLimits(max_model_len=plan.max_model_len, max_num_seqs=self.config.max_num_seqs,
                                    max_logprobs=self.config.max_logprobs, vocab_size=self.model_config.vocab_size)
         self._model_dir = model_dir
@@ -73,6 +75,7 @@ class LLMEngine:
         self._sequences = Sequences(self.scheduler)
         self._untexted: dict[str, Request] = {}  # requests with tokens or finishes not yet turned into outputs
         self._unscheduled: dict[int, Request] = {}  # first sequence of requests not yet scheduled
+        self._prompt_logprobs = PromptLogprobs(self._logprob_entry)  # SamplingParams.prompt_logprobs
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.grammars = Grammars(model_dir, self.model_config.vocab_size, self.eos_token_ids,  # structured outputs
@@ -82,7 +85,8 @@ class LLMEngine:
         return EngineInfo(model_name=self._model_dir.name, model_path=self._model_dir, device=str(self.worker.device),
                           dtype=str(self.model_config.dtype).removeprefix("torch."), tokenizer=self.tokenizer,
                           limits=self.limits,
-                          default_sampling={**DEFAULT_SAMPLING, **self.model_config.generation_defaults})
+                          default_sampling={**DEFAULT_SAMPLING, **self.model_config.generation_defaults},
+                          architecture=self.model_config.architecture)
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams with the model's defaults (info().default_sampling) under `overrides`."""
@@ -107,10 +111,13 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(token_ids)
         seq_id = self.scheduler.add_sequence(
             np.asarray(token_ids, dtype=np.int32), max_tokens=max_tokens, min_tokens=params.min_tokens,
-            ignore_eos=params.ignore_eos, stop_token_ids=list(params.stop_token_ids or []), n=params.n)
+            ignore_eos=params.ignore_eos, stop_token_ids=list(params.stop_token_ids or []), n=params.n,
+            # Prompt logprobs recompute cached positions from their KV, which a sliding window frees.
+            use_prefix_cache=not (params.prompt_logprobs is not None and self.model_config.kv_window))
         self.requests[request_id] = request
         self._sequences.own(seq_id, request, 0)
         self._unscheduled[seq_id] = request
+        self._prompt_logprobs.add(seq_id, request)
         self.num_prompt_tokens_total += len(token_ids)
 
     def abort_request(self, request_id: Union[str, Iterable[str]]) -> list[RequestOutput]:
@@ -146,6 +153,7 @@ class LLMEngine:
         pending = self._launch(out) if out.num_seqs else None
         outputs = self._emit_outputs()  # overlaps the device's work on this step
         sampled = pending.result() if pending is not None else _NO_SAMPLES
+        self._prompt_logprobs.record(pending)
         result = self.scheduler.update(np.asarray(sampled.token_ids, dtype=np.int32))
         self._record_tokens(out, sampled, result)
         if not self.scheduler.has_unfinished():
@@ -174,7 +182,7 @@ class LLMEngine:
         once the forward is queued: on CUDA while the device runs it)."""
         rows, matchers = self._sampling_rows(out)
         mask = (lambda: self.grammars.fill_bitmask(matchers)) if matchers else None
-        return self.worker.execute_async(out, rows, mask)
+        return self.worker.execute_async(out, rows, mask, self._prompt_logprobs.plan(out))
 
     def _sampling_rows(self, out) -> tuple[list, list]:
         rows, matchers = [], []

@@ -1,26 +1,28 @@
 """Structured outputs: compiling a request's grammar and the per-step token bitmask.
 
-xgrammar does the grammar work. `Grammars` (one per engine, its compiler built on
-first use) turns a StructuredOutputsParams into a compiled grammar, cached by
-the spec, when the request is added: a spec that does not compile is a
-RequestError before the request is queued. Each sample of such a request
-keeps its own xgrammar GrammarMatcher, advanced with every token the engine
-records (LLMEngine._add_token). Forks (n > 1) fork at the first sampled
-token: the row that forks is sampled under the shared initial state and each
-sample's matcher, created with the request, accepts its own token. Preemption
-by recompute keeps a sequence's tokens, so its matcher needs nothing.
+`Grammars` (one per engine, its backends built on first use) turns a StructuredOutputsParams into a
+compiled grammar, cached by the spec, when the request is added: a spec that does not compile is a
+RequestError before the request is queued. xgrammar compiles it; where xgrammar refuses a json
+schema, regex, grammar or legacy structural tag, llguidance tries (pagedserve.engine.grammar_backends
+has both, behind one matcher interface), and only when both refuse is the spec an error, naming both
+problems. Which backend compiled is logged and kept on the compiled grammar (`compile(spec).backend`).
 
-Each step, `fill_bitmask` writes the next-token mask of the rows that have a
-matcher into a host int32 bitmask ([max rows, ceil(vocab / 32)]), and the
-sampler applies it to the logits (on their device) before any sampling
-parameter. The stop tokens are allowed only where the grammar accepts, so
-EOS ends a sequence only on a complete output.
+Each sample of such a request keeps its own matcher, advanced with every token the engine records
+(LLMEngine._add_token). Forks (n > 1) fork at the first sampled token: the row that forks is sampled
+under the shared initial state and each sample's matcher, created with the request, accepts its own
+token. Preemption by recompute keeps a sequence's tokens, so its matcher needs nothing.
+
+Each step, `fill_bitmask` writes the next-token mask of the rows that have a matcher into a host int32
+bitmask ([max rows, ceil(vocab / 32)], one layout for both backends), and the sampler applies it to
+the logits (on their device) before any sampling parameter. The stop tokens are allowed only where the
+grammar accepts, so EOS ends a sequence only on a complete output.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
+import re
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -28,6 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from pagedserve.engine.grammar_backends import CompiledGrammar, LLGuidanceBackend, XgrammarBackend
 from pagedserve.errors import RequestError
 from pagedserve.sample.grammar_mask import GrammarMask
 from pagedserve.sampling_params import StructuredOutputsParams
@@ -35,6 +38,11 @@ from pagedserve.sampling_params import StructuredOutputsParams
 logger = logging.getLogger("pagedserve")
 
 _CACHE_SIZE = 256
+
+_SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
+
+_NAMES = {"json": "json schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+          "json_object": "json object grammar", "structural_tag": "structural tag"}
 
 
 class Grammars:
@@ -48,43 +56,67 @@ class Grammars:
         self._eos = list(eos_token_ids)
         self._max_rows = max_rows
         self._pin = pin_memory
-        self._compiler = None
-        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self._tokenizer = None
+        self._xgrammar: Optional[XgrammarBackend] = None
+        self._llguidance: Optional[LLGuidanceBackend] = None
+        self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._bitmask: Optional[torch.Tensor] = None
+        self._batch_filler = None  # xgrammar's BatchGrammarMatcher, made on first use
         self._ended: list[tuple[object, object]] = []  # (request, sample) whose grammar terminated
         self.mask_seconds = 0.0  # host time spent filling masks
 
-    def _xgr_compiler(self):
-        if self._compiler is None:
-            import xgrammar as xgr
+    def _hf_tokenizer(self):
+        """The model's HF tokenizer, loaded once for both backends."""
+        if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir), local_files_only=True)
-            # The model's logits may be wider than the tokenizer's vocabulary: size the masks by the model's.
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self._eos or None)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compiler
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self._model_dir), local_files_only=True)
+        return self._tokenizer
 
-    def compile(self, spec: StructuredOutputsParams):
+    def _xgrammar_backend(self) -> XgrammarBackend:
+        if self._xgrammar is None:
+            self._xgrammar = XgrammarBackend(self._hf_tokenizer(), self.vocab_size, self._eos)
+        return self._xgrammar
+
+    def _llguidance_backend(self) -> LLGuidanceBackend:
+        if self._llguidance is None:
+            self._llguidance = LLGuidanceBackend(self._hf_tokenizer(), self.vocab_size, self._eos)
+        return self._llguidance
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of `spec` (cached); RequestError when it does not compile."""
         key = spec.cache_key()
         compiled = self._cache.get(key)
         if compiled is not None:
             self._cache.move_to_end(key)
             return compiled
-        compiler = self._xgr_compiler()
-        try:
-            compiled = _compile(compiler, spec)
-        except RequestError:
-            raise
-        except Exception as err:  # xgrammar raises RuntimeError, ValueError, InvalidJSONError, ...
-            msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise RequestError(f"structured_outputs: the {spec.kind} cannot be compiled: {msg}",
-                               "structured_outputs", "invalid_grammar") from None
+        compiled = self._compile(spec)
         self._cache[key] = compiled
         if len(self._cache) > _CACHE_SIZE:
             self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """xgrammar, else (for the kinds it takes) llguidance; RequestError naming both problems."""
+        name = _NAMES[spec.kind]
+        try:
+            compiled = self._xgrammar_backend().compile(spec)
+            logger.debug("structured outputs: the %s compiled with xgrammar", name)
+            return compiled
+        except RequestError:
+            raise
+        except Exception as err:  # xgrammar raises RuntimeError, ValueError, InvalidJSONError, ...
+            xgr_problem = _first_line(err)
+        if spec.kind not in LLGuidanceBackend.kinds:
+            raise _not_compiled(name, f"xgrammar: {xgr_problem}")
+        try:
+            compiled = self._llguidance_backend().compile(spec)
+        except ImportError:
+            raise _not_compiled(name, f"xgrammar: {xgr_problem} (llguidance is not installed)") from None
+        except Exception as err:
+            raise _not_compiled(name, f"xgrammar: {xgr_problem}; llguidance: {_first_line(err)}") from None
+        logger.info("structured outputs: xgrammar cannot compile the %s (%s); llguidance compiled it", name,
+                    xgr_problem)
         return compiled
 
     def attach(self, request, have_tokenizer: bool) -> None:
@@ -96,10 +128,8 @@ class Grammars:
             raise RequestError("structured_outputs needs the model's tokenizer", "structured_outputs",
                                "no_tokenizer")
         compiled = self.compile(spec)
-        import xgrammar as xgr
-
         for sample in request.samples:
-            sample.grammar = xgr.GrammarMatcher(compiled)
+            sample.grammar = compiled.new_matcher()
 
     def accept(self, request, sample, token: int) -> None:
         """Advances the sample's matcher; one that terminates (its stop token accepted) or refuses the
@@ -121,46 +151,46 @@ class Grammars:
 
     def fill_bitmask(self, matchers: list[tuple[int, object]]) -> Optional[GrammarMask]:
         """The mask for these (logits row, matcher) pairs; None when none needs one."""
+        start = time.perf_counter()
+        if self._bitmask is None:
+            words = (self.vocab_size + 31) // 32
+            self._bitmask = torch.full((self._max_rows, words), -1, dtype=torch.int32,
+                                       pin_memory=self._pin)
         import xgrammar as xgr
 
-        start = time.perf_counter()
-
-        if self._bitmask is None:
-            self._bitmask = xgr.allocate_token_bitmask(self._max_rows, self.vocab_size)
-            if self._pin:
-                self._bitmask = self._bitmask.pin_memory()
-        rows = []
+        rows, batch, batch_rows = [], [], []
         for row, matcher in matchers:
             if matcher.is_terminated():
                 continue
-            matcher.fill_next_token_bitmask(self._bitmask, row)
+            if isinstance(matcher, xgr.GrammarMatcher):
+                batch.append(matcher)
+                batch_rows.append(row)
+            else:
+                matcher.fill_next_token_bitmask(self._bitmask, row)
             rows.append(row)
+        if batch:  # xgrammar's matchers in one call, on its own threads (one per core)
+            if self._batch_filler is None:
+                self._batch_filler = xgr.BatchGrammarMatcher(max_threads=os.cpu_count() or 1)
+            self._batch_filler.batch_fill_next_token_bitmask(batch, self._bitmask, batch_rows)
         self.mask_seconds += time.perf_counter() - start
         return GrammarMask(self._bitmask, rows) if rows else None
 
 
-def _compile(compiler, spec: StructuredOutputsParams):
-    kind = spec.kind
-    if kind == "json":
-        schema = spec.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as err:
-                raise RequestError(f"structured_outputs: the json schema is not valid JSON: {err}",
-                                   "structured_outputs", "invalid_grammar") from None
-        if not isinstance(schema, dict):
-            raise RequestError("structured_outputs: the json schema must be a JSON object", "structured_outputs",
-                               "invalid_grammar")
-        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=not spec.disable_any_whitespace,
-                                            strict_mode=True)
-    if kind == "json_object":
-        return compiler.compile_builtin_json_grammar()
-    if kind == "regex":
-        return compiler.compile_regex(spec.regex)
-    if kind == "choice":
-        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
-        return compiler.compile_grammar(f"root ::= {alternatives}")
-    if kind == "grammar":
-        return compiler.compile_grammar(spec.grammar)
-    raise RequestError(f"structured_outputs.{kind} is not supported yet", "structured_outputs", "unsupported")
+def _first_line(err: Exception) -> str:
+    """The gist of a backend's error: its first line, less xgrammar's "[12:00:00] /project/cpp/file.cc:83: "
+    source prefix and "Check failed: (...) is false: " preamble; a first line that ends in ":" (llguidance's
+    "regex parse error:") gets its later "error: ..." line."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    first = _SOURCE_PREFIX.sub("", lines[0])
+    first = first.split(" is false: ", 1)[1] if first.startswith("Check failed:") and " is false: " in first else first
+    if first.endswith(":"):
+        detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+        first = f"{first} {detail}" if detail else first
+    return first
+
+
+def _not_compiled(name: str, problems: str) -> RequestError:
+    return RequestError(f"structured_outputs: the {name} cannot be compiled: {problems}", "structured_outputs",
+                        "invalid_grammar")

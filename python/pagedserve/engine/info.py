@@ -20,3 +20,4 @@ class EngineInfo:
     # Sampling defaults from the model's generation_config.json (temperature, top_p, top_k, min_p,
     # repetition_penalty: only the keys it sets); SamplingParams() fills the rest.
     default_sampling: dict[str, Any] = field(default_factory=dict)
+    architecture: str = ""  # config.json's, e.g. "LlamaForCausalLM" (picks the tool-call parser)

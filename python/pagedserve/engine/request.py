@@ -120,6 +120,9 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         self.num_cached_tokens = 0
         self.error: Optional[str] = None
+        # None first, then {token_id: Logprob} per prompt token (engine/prompt_logprobs.py); None: not asked.
+        self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+        self._prompt_logprobs_sent = False  # a stream hands them back once, with its first output
         self.samples = [self._new_sample(i, tokenizer) for i in range(params.n)]
 
     def _new_sample(self, index: int, tokenizer) -> Sample:
@@ -166,7 +169,9 @@ class Request:
                 logprobs=s.new_logprobs if s.logprobs is not None else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
             s.new_token_ids, s.new_text, s.new_logprobs, s.changed = [], "", [], False
-        return self._request_output(outputs)
+        prompt_logprobs = None if self._prompt_logprobs_sent else self.prompt_logprobs
+        self._prompt_logprobs_sent = True
+        return self._request_output(outputs, prompt_logprobs)
 
     def final_output(self) -> RequestOutput:
         """The whole request as one cumulative RequestOutput."""
@@ -174,9 +179,9 @@ class Request:
             CompletionOutput(index=s.index, text=s.text, token_ids=list(s.token_ids),
                              cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
                              finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-            for s in self.samples])
+            for s in self.samples], self.prompt_logprobs)
 
-    def _request_output(self, outputs: list[CompletionOutput]) -> RequestOutput:
+    def _request_output(self, outputs: list[CompletionOutput], prompt_logprobs=None) -> RequestOutput:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=outputs, finished=self.finished, metrics=self.metrics, error=self.error,
-                             num_cached_tokens=self.num_cached_tokens)
+                             num_cached_tokens=self.num_cached_tokens, prompt_logprobs=prompt_logprobs)

@@ -51,14 +51,15 @@ CHAT_TEMPLATE_RESERVED_KWARGS = frozenset({
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
                         add_generation_prompt: bool = True, *, chat_template: Optional[str] = None,
                         continue_final_message: bool = False,
-                        chat_template_kwargs: Optional[Mapping[str, Any]] = None) -> list[int]:
+                        chat_template_kwargs: Optional[Mapping[str, Any]] = None,
+                        tools: Optional[Sequence[Mapping[str, Any]]] = None) -> list[int]:
     """Token ids of a chat rendered with the model's template (or `chat_template`, its text).
 
     The template writes every special token itself (BOS included), so the
     rendered text is encoded without adding any. continue_final_message leaves
     the last (assistant) message open for the model to continue; it excludes
     add_generation_prompt. chat_template_kwargs become template variables
-    (e.g. enable_thinking).
+    (e.g. enable_thinking). tools (OpenAI function tools) are given to the template.
     """
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
@@ -79,6 +80,8 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: Sequence[M
         kwargs["chat_template"] = chat_template
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    if tools:
+        kwargs["tools"] = list(tools)
     text = tokenizer.apply_chat_template(list(messages), tokenize=False,
                                          add_generation_prompt=add_generation_prompt, **kwargs)
     return list(tokenizer.encode(text, add_special_tokens=False))

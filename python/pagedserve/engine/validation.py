@@ -72,6 +72,9 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams, li
     if limits.max_logprobs is not None and params.logprobs is not None and params.logprobs > limits.max_logprobs:
         raise RequestError(f"logprobs={params.logprobs} is more than max_logprobs ({limits.max_logprobs})",
                            "logprobs", "too_many")
+    if limits.max_logprobs is not None and (params.prompt_logprobs or 0) > limits.max_logprobs:
+        raise RequestError(f"prompt_logprobs={params.prompt_logprobs} is more than max_logprobs "
+                           f"({limits.max_logprobs})", "prompt_logprobs", "too_many")
     return ids
 
 

@@ -8,14 +8,33 @@ import torch
 from torch import nn
 
 from pagedserve.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from pagedserve.models.llama import LlamaForCausalLM
+from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
+from pagedserve.models.granite import GraniteForCausalLM
+from pagedserve.models.llama import (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                                     SmolLM3ForCausalLM)
+from pagedserve.models.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from pagedserve.models.olmo2 import Olmo2ForCausalLM
+from pagedserve.models.phi import PhiForCausalLM
+from pagedserve.models.phi3 import Phi3ForCausalLM
 from pagedserve.models.weights import load_weights
 
+# HF architecture -> the module that runs it (its config reading: families.SUPPORTED_ARCHITECTURES).
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,
+    "GemmaForCausalLM": GemmaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES), "config and registry must agree"
 
@@ -27,10 +46,10 @@ def model_class(architecture: str) -> type[nn.Module]:
 
 
 def build_model(model_config: ModelConfig, device: Union[str, torch.device, None] = None,
-                load_format: str = "auto", seed: int = 0) -> LlamaForCausalLM:
+                load_format: str = "auto", seed: int = 0) -> nn.Module:
     """Allocates the model on ``device`` (default: the config's) in the config's dtype and fills its weights.
 
-    load_format: "auto" / "safetensors" read ``model_config.model_dir``; "dummy" draws seeded random weights.
+    load_format: "auto" / "safetensors" / "pt" read ``model_config.model_dir``; "dummy" draws seeded random weights.
     """
     target: Optional[torch.device] = torch.device(device) if device is not None else model_config.device
     model = model_class(model_config.architecture)(model_config, target)

@@ -38,9 +38,18 @@ def _layer_linears(model: nn.Module) -> list[tuple[str, Linear]]:
             if isinstance(module, Linear) and module is not model.lm_head]
 
 
+def _grouped_weight_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules holding stacks of matrices that pack themselves (the MoE experts: packable_matrices + pack)."""
+    return [(name, module) for name, module in model.named_modules()
+            if not isinstance(module, Linear) and hasattr(module, "packable_matrices")]
+
+
 def _packable(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(name, weight) of every matrix the step multiplies by: linears and the LM head."""
-    return [(name, linear.weight) for name, linear in _layer_linears(model)] + [("lm_head", model.lm_head_weight())]
+    """(name, weight) of every matrix the step multiplies by: linears, expert stacks and the LM head."""
+    grouped = [(f"{name}.{leaf}", weight) for name, module in _grouped_weight_modules(model)
+               for leaf, weight in module.packable_matrices()]
+    return ([(name, linear.weight) for name, linear in _layer_linears(model)] + grouped
+            + [("lm_head", model.lm_head_weight())])
 
 
 def pack_cpu_weights(model: nn.Module, mode: str = "auto") -> bool:
@@ -58,6 +67,8 @@ def pack_cpu_weights(model: nn.Module, mode: str = "auto") -> bool:
             return False
     for _, linear in _layer_linears(model):
         linear.pack()
+    for _, module in _grouped_weight_modules(model):
+        module.pack()
     model.pack_lm_head()
     logger.info("packed %d CPU weight matrices as bf16 tiles (%s)", len(matrices),
                 "lossless" if mode == "auto" else "rounded")

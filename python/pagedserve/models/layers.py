@@ -9,6 +9,8 @@ here branches on tensor values, so a forward can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -17,6 +19,7 @@ from torch import nn
 
 from pagedserve import ops
 from pagedserve.models.attention_metadata import AttentionMetadata
+from pagedserve.models.rope import is_long_rope, rope_table
 
 
 def _empty_parameter(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -62,36 +65,79 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight; Gemma's variant (``offset`` 1) scales by (1 + weight), computed in float32
+    once per call as transformers does (the stored weight stays the checkpoint's)."""
+
     is_norm = True  # dummy init sets norm weights to 1
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, offset: float = 0.0):
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        self.weight = _empty_parameter((size,), dtype, device)
+
+    def _scale(self) -> torch.Tensor:
+        if not self.offset:
+            return self.weight
+        return (self.weight.float() + self.offset).to(self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalises the rows of a contiguous [N, size] tensor into a new tensor."""
+        out = torch.empty_like(x)
+        ops.rms_norm(out, x, self._scale(), self.eps)
+        return out
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual += x, then x = rms_norm(residual), both in place; returns x."""
+        ops.fused_add_rms_norm(x, residual, self._scale(), self.eps)
+        return x
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (Phi-2), in torch; the same two calls as RMSNorm."""
+
+    is_norm = True
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.eps = eps
         self.weight = _empty_parameter((size,), dtype, device)
+        self.bias = _empty_parameter((size,), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalises the rows of a contiguous [N, size] tensor into a new tensor."""
-        out = torch.empty_like(x)
-        ops.rms_norm(out, x, self.weight, self.eps)
-        return out
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual += x, then x = rms_norm(residual), both in place; returns x."""
-        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        return x
+        """residual += x in place; returns the normalised residual."""
+        return self(residual.add_(x))
 
 
 class RotaryEmbedding(nn.Module):
-    """Half-rotation rope with a float32 cos/sin table built once for every position."""
+    """Half-rotation rope over the first rotary_dim dims of each head, from a float32 cos/sin table built
+    once for every position (pagedserve.models.rope). Longrope tables hold short rows then long rows;
+    each token takes the long ones when its sequence's total length this step exceeds the original
+    context (transformers' rule, see rope.py)."""
 
-    def __init__(self, rotary_dim: int, max_position: int, theta: float, scaling: Optional[dict],
+    def __init__(self, rotary_dim: int, head_dim: int, max_position: int, theta: float, scaling: Optional[dict],
                  device: torch.device):
         super().__init__()
-        table = ops.rope_cos_sin_cache(max_position, rotary_dim, theta, scaling=scaling, device=device)
-        self.register_buffer("cos_sin_cache", table, persistent=False)
+        self.max_position = max_position
+        self.long_threshold = int(scaling["original_max_position_embeddings"]) if is_long_rope(scaling) else 0
+        table = rope_table(max_position, rotary_dim, theta, scaling, head_dim)
+        self.register_buffer("cos_sin_cache", table.to(device), persistent=False)
+
+    def table_positions(self, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """The table row of each token: its position, offset into the long rows where they apply."""
+        if not self.long_threshold:
+            return positions
+        tokens = torch.arange(positions.shape[0], device=positions.device, dtype=attn.query_start_loc.dtype)
+        rows = torch.searchsorted(attn.query_start_loc[1:].contiguous(), tokens, right=True)
+        rows = rows.clamp_(max=attn.seq_lens.shape[0] - 1)  # padding tokens past the last row
+        is_long = attn.seq_lens.long()[rows] > self.long_threshold
+        return (positions.long() + is_long.long() * self.max_position).to(torch.int32)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
-        """Rotates query [T, Hq, D] and key [T, Hkv, D] in place; positions [T] int32."""
+        """Rotates query [T, Hq, D] and key [T, Hkv, D] in place; positions [T] int32 (table rows)."""
         ops.rotary_embedding(positions, query, key, self.cos_sin_cache)
 
 
@@ -102,15 +148,73 @@ class SiluAndMul(nn.Module):
         return out
 
 
-class PagedAttention(nn.Module):
-    """Writes this step's keys/values into the paged cache, then attends through the block tables."""
+class GeluAndMul(nn.Module):
+    """GeGLU: gelu(x[:, :I]) * x[:, I:]; ``approximate`` "tanh" for gelu_pytorch_tanh (Gemma)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[1] // 2
+        return F.gelu(x[:, :half], approximate=self.approximate) * x[:, half:]
+
+
+def activation(name: str):
+    """The plain (ungated) activation for a HF hidden_act name, as transformers computes it."""
+    if name == "gelu_new":  # transformers' NewGELUActivation, formula for formula
+        return lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    if name == "silu":
+        return F.silu
+    raise ValueError(f"hidden_act {name!r} is not supported")
+
+
+def activation_and_mul(name: str) -> nn.Module:
+    """The gated MLP activation for a HF hidden_act name."""
+    if name == "silu":
+        return SiluAndMul()
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return GeluAndMul("tanh")
+    if name == "gelu":
+        return GeluAndMul("none")
+    raise ValueError(f"hidden_act {name!r} is not supported")
+
+
+def _attention_features() -> frozenset[str]:
+    """The optional keyword features (window, softcap) ops.paged_attention takes in this build."""
+    parameters = inspect.signature(ops.paged_attention).parameters
+    return frozenset(name for name in ("window", "softcap") if name in parameters)
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's keys/values into the paged cache, then attends through the block tables.
+
+    scale: the softmax scale (default head_dim ** -0.5); window: attend to the last ``window``
+    positions only (transformers' sliding window, 0 = all); softcap: scores become
+    softcap * tanh(scores / softcap) (Gemma 2, 0 = off). Window and softcap are passed to the op
+    only when set, so builds whose op lacks them still run every model that needs neither.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: Optional[float] = None,
+                 window: int = 0, softcap: float = 0.0):
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.extra: dict[str, object] = {}
+        if window:
+            self.extra["window"] = int(window)
+        if softcap:
+            self.extra["softcap"] = float(softcap)
+        missing = sorted(set(self.extra) - _attention_features())
+        if missing:
+            raise ValueError(f"this model needs attention with {' and '.join(missing)}, which this build's "
+                             "paged_attention op does not support yet")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv_cache: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
@@ -120,5 +224,5 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(query)
         ops.paged_attention(out, query, key_cache, value_cache, attn.block_tables, attn.query_start_loc,
                             attn.seq_lens, self.scale, attn.max_query_len, attn.max_seq_len,
-                            num_decodes=attn.num_decodes, workspace=attn.workspace)
+                            num_decodes=attn.num_decodes, workspace=attn.workspace, **self.extra)
         return out

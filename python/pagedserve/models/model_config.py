@@ -17,39 +17,16 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from pagedserve.models.rope_config import parse_rope
+from pagedserve.models import config_fields as fields
+from pagedserve.models.config_fields import DTYPES_BY_NAME, GENERATION_SAMPLING_KEYS
+from pagedserve.models.moe_config import MoeConfig, parse_moe
+from pagedserve.models.families import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ArchitectureTraits, layer_types
+from pagedserve.models.rope_config import parse_rope, parse_sliding_rope, partial_rotary_factor
 
 DTypeLike = Union[str, torch.dtype]
 DeviceLike = Union[str, torch.device, None]
 
 
-@dataclass(frozen=True)
-class ArchitectureTraits:
-    """How one supported HF architecture differs from plain Llama."""
-
-    qkv_bias_key: Optional[str]  # config key switching q/k/v (and o) biases on; None = fixed below
-    fixed_qkv_bias: bool = False  # Qwen2: q/k/v always have a bias, o_proj never
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before rope
-    mlp_bias_key: Optional[str] = None
-
-
-SUPPORTED_ARCHITECTURES: dict[str, ArchitectureTraits] = {
-    "LlamaForCausalLM": ArchitectureTraits(qkv_bias_key="attention_bias", mlp_bias_key="mlp_bias"),
-    "MistralForCausalLM": ArchitectureTraits(qkv_bias_key=None),
-    "Qwen2ForCausalLM": ArchitectureTraits(qkv_bias_key=None, fixed_qkv_bias=True),
-    "Qwen3ForCausalLM": ArchitectureTraits(qkv_bias_key="attention_bias", qk_norm=True),
-}
-
-_DTYPES_BY_NAME: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-}
 _ENGINE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # On a CPU "auto" means float32, decided by bench/perf/cpu_dtype_bench.py on the 2-core
@@ -70,10 +47,10 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # the norms' epsilon (Phi-2's LayerNorm: layer_norm_eps)
     rope_theta: float
-    # Llama-3 frequency scaling as pagedserve.ops.rope_cos_sin_cache takes it (rope_type "llama3",
-    # factor, low_freq_factor, high_freq_factor, original_max_position_embeddings), or None.
+    # The (full attention layers') rope scaling as transformers' rope_parameters hold it, less rope_theta:
+    # rope_type (linear, dynamic, yarn, longrope, llama3) and its parameters; None for plain rope.
     rope_scaling: Optional[dict[str, Any]]
     max_position_embeddings: int
     tie_word_embeddings: bool
@@ -88,6 +65,21 @@ class ModelConfig:
     device: torch.device
     # Sampling settings generation_config.json sets (a subset of GENERATION_SAMPLING_KEYS), as vLLM reads them.
     generation_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Per-family numbers (defaults: plain Llama). The network's shape choices live in the family modules.
+    hidden_act: str = "silu"
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: rope rotates only the first rotary_dim of each head
+    layer_types: tuple[str, ...] = ()  # per layer FULL or SLIDING; () = all full
+    sliding_window: int = 0  # window of the SLIDING layers (0: none shorter than the context)
+    # Gemma 3: the sliding layers' own (theta, scaling); None = they use rope_theta/rope_scaling too.
+    sliding_rope: Optional[tuple[float, Optional[dict[str, Any]]]] = None
+    rope_layers: tuple[bool, ...] = ()  # SmolLM3: False for layers without rope; () = all rope
+    attention_scale: Optional[float] = None  # softmax scale; None = head_dim ** -0.5
+    attn_logit_softcap: float = 0.0  # Gemma 2: cap * tanh(score / cap); 0 = off
+    final_logit_softcap: float = 0.0
+    embedding_multiplier: float = 1.0  # Granite (Gemma's sqrt(hidden) is the family's own)
+    residual_multiplier: float = 1.0  # Granite: residual + sublayer(x) * multiplier
+    logits_scaling: float = 1.0  # Granite: logits / logits_scaling
+    moe: Optional[MoeConfig] = None  # Mixture-of-Experts settings (Mixtral, Qwen2/3-MoE); None: dense
 
     @property
     def q_size(self) -> int:
@@ -96,6 +88,27 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_type(self, index: int) -> str:
+        return self.layer_types[index] if self.layer_types else FULL
+
+    @property
+    def kv_window(self) -> int:
+        """The window every layer slides over, so KV blocks behind it can be freed (Mistral, Phi-3 with
+        sliding_window); 0 when any layer attends the whole context (Gemma 2/3 keep every block)."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else 0
+
+    def layer_window(self, index: int) -> int:
+        """The attention window of layer ``index`` (0: full causal attention)."""
+        return self.sliding_window if self.layer_type(index) == SLIDING else 0
+
+    def layer_uses_rope(self, index: int) -> bool:
+        return self.rope_layers[index] if self.rope_layers else True
 
     @classmethod
     def from_model_dir(cls, model_dir: Union[str, Path], dtype: DTypeLike = "auto",
@@ -116,47 +129,61 @@ class ModelConfig:
                        generation_config: Optional[Mapping[str, Any]] = None,
                        model_dir: Optional[Path] = None) -> "ModelConfig":
         """Parses an already loaded ``config.json`` dict (``model_dir`` only helps resolve tied embeddings)."""
-        architecture = _architecture(hf_config)
+        architecture = fields.architecture(hf_config)
         traits = SUPPORTED_ARCHITECTURES[architecture]
-        _check_activation(hf_config)
-        _check_no_sliding_window(hf_config, architecture)
-        num_heads = _required_int(hf_config, "num_attention_heads")
+        num_heads = fields.required_int(hf_config, "num_attention_heads")
         num_kv_heads = int(hf_config.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
                              f"num_key_value_heads ({num_kv_heads})")
-        hidden_size = _required_int(hf_config, "hidden_size")
-        max_positions = _required_int(hf_config, "max_position_embeddings")
+        hidden_size = fields.required_int(hf_config, "hidden_size")
+        head_dim = int(hf_config.get("head_dim") or hidden_size // num_heads)
+        num_layers = fields.required_int(hf_config, "num_hidden_layers")
+        max_positions = fields.required_int(hf_config, "max_position_embeddings")
         rope_theta, rope_scaling = parse_rope(hf_config, max_positions)
-        qkv_bias, o_bias = _attention_biases(hf_config, traits)
-        checkpoint_dtype = _checkpoint_dtype(hf_config)
+        qkv_bias, o_bias = fields.attention_biases(hf_config, traits)
+        kinds = layer_types(hf_config, traits, num_layers)
+        checkpoint_dtype = fields.checkpoint_dtype(hf_config)
         resolved_device = resolve_device(device)
         generation_config = generation_config or {}
         return cls(
             model_dir=model_dir,
             architecture=architecture,
-            vocab_size=_required_int(hf_config, "vocab_size"),
+            vocab_size=fields.required_int(hf_config, "vocab_size"),
             hidden_size=hidden_size,
-            intermediate_size=_required_int(hf_config, "intermediate_size"),
-            num_layers=_required_int(hf_config, "num_hidden_layers"),
+            intermediate_size=fields.required_int(hf_config, "intermediate_size"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=int(hf_config.get("head_dim") or hidden_size // num_heads),
-            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            head_dim=head_dim,
+            rms_norm_eps=float(hf_config.get("rms_norm_eps") or hf_config.get("layer_norm_eps") or 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=_tie_word_embeddings(hf_config, model_dir),
+            tie_word_embeddings=fields.tie_word_embeddings(hf_config, model_dir),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(traits.mlp_bias_key and hf_config.get(traits.mlp_bias_key, False)),
             qk_norm=traits.qk_norm,
-            eos_token_ids=_eos_token_ids(hf_config, generation_config),
-            bos_token_id=_bos_token_id(hf_config, generation_config),
+            eos_token_ids=fields.eos_token_ids(hf_config, generation_config),
+            bos_token_id=fields.bos_token_id(hf_config, generation_config),
             checkpoint_dtype=checkpoint_dtype,
             dtype=resolve_dtype(dtype, checkpoint_dtype, resolved_device),
             device=resolved_device,
-            generation_defaults=_generation_defaults(generation_config),
+            generation_defaults=fields.generation_defaults(generation_config),
+            hidden_act=fields.activation(hf_config, architecture, traits),
+            partial_rotary_factor=partial_rotary_factor(hf_config),
+            layer_types=kinds,
+            sliding_window=fields.sliding_window(hf_config, kinds, max_positions),
+            sliding_rope=parse_sliding_rope(hf_config, max_positions),
+            rope_layers=fields.rope_layers(hf_config, num_layers),
+            attention_scale=_attention_scale(hf_config),
+            attn_logit_softcap=fields.optional_float(hf_config, "attn_logit_softcapping", 0.0),
+            final_logit_softcap=fields.optional_float(hf_config, "final_logit_softcapping", 0.0),
+            embedding_multiplier=fields.optional_float(hf_config, "embedding_multiplier", 1.0),
+            residual_multiplier=fields.optional_float(hf_config, "residual_multiplier", 1.0),
+            logits_scaling=fields.optional_float(hf_config, "logits_scaling", 1.0),
+            moe=parse_moe(hf_config, architecture, num_layers),
         )
 
 
@@ -189,8 +216,8 @@ def resolve_dtype(dtype: DTypeLike, checkpoint_dtype: torch.dtype, device: torch
         resolved = dtype
     elif dtype == "auto":
         resolved = checkpoint_dtype if device.type == "cuda" else _CPU_AUTO_DTYPE
-    elif dtype in _DTYPES_BY_NAME:
-        resolved = _DTYPES_BY_NAME[dtype]
+    elif dtype in DTYPES_BY_NAME:
+        resolved = DTYPES_BY_NAME[dtype]
     else:
         raise ValueError(f"dtype {dtype!r} is not supported; use 'auto', 'float32', 'bfloat16' or 'float16'")
     if resolved not in _ENGINE_DTYPES:
@@ -198,108 +225,14 @@ def resolve_dtype(dtype: DTypeLike, checkpoint_dtype: torch.dtype, device: torch
     return resolved
 
 
-
-def _architecture(hf_config: Mapping[str, Any]) -> str:
-    architectures = hf_config.get("architectures") or []
-    for name in architectures:
-        if name in SUPPORTED_ARCHITECTURES:
-            return name
-    shown = ", ".join(architectures) if architectures else "<none listed>"
-    raise ValueError(f"unsupported architecture {shown}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
-def _check_activation(hf_config: Mapping[str, Any]) -> None:
-    act = hf_config.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
-
-
-def _uses_sliding_window(hf_config: Mapping[str, Any], architecture: str) -> bool:
-    layer_types = hf_config.get("layer_types")
-    if layer_types is not None:
-        return "sliding_attention" in layer_types
-    if architecture == "MistralForCausalLM":
-        return hf_config.get("sliding_window") is not None
-    num_layers = int(hf_config.get("num_hidden_layers", 0))
-    return bool(hf_config.get("use_sliding_window")) and int(hf_config.get("max_window_layers", 0)) < num_layers
-
-
-def _check_no_sliding_window(hf_config: Mapping[str, Any], architecture: str) -> None:
-    """A window at least as long as the context is full attention; anything shorter we cannot run."""
-    window = hf_config.get("sliding_window")
-    if window is None or not _uses_sliding_window(hf_config, architecture):
-        return
-    max_positions = int(hf_config.get("max_position_embeddings", 0))
-    if int(window) < max_positions:
-        raise ValueError(f"{architecture} with sliding_window={window} < max_position_embeddings={max_positions} "
-                         "is not supported (sliding-window attention is not implemented)")
-
-
-def _attention_biases(hf_config: Mapping[str, Any], traits: ArchitectureTraits) -> tuple[bool, bool]:
-    if traits.fixed_qkv_bias:
-        return True, False
-    enabled = bool(traits.qkv_bias_key and hf_config.get(traits.qkv_bias_key, False))
-    return enabled, enabled  # Llama/Qwen3 attention_bias covers q, k, v and o alike
-
-
-def _checkpoint_dtype(hf_config: Mapping[str, Any]) -> torch.dtype:
-    name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
-    name = str(name).removeprefix("torch.")
-    if name not in _DTYPES_BY_NAME:
-        raise ValueError(f"checkpoint dtype {name!r} is not supported; expected float32, bfloat16 or float16")
-    return _DTYPES_BY_NAME[name]
-
-
-def _tie_word_embeddings(hf_config: Mapping[str, Any], model_dir: Optional[Path]) -> bool:
-    """The config decides; when it is silent, a checkpoint without lm_head.weight is tied."""
-    if "tie_word_embeddings" in hf_config:
-        return bool(hf_config["tie_word_embeddings"])
-    if model_dir is None:
-        return False
-    from pagedserve.models.weights import checkpoint_tensor_names  # local: weights imports this module
-
-    try:
-        return "lm_head.weight" not in checkpoint_tensor_names(model_dir)
-    except FileNotFoundError:
-        return False
-
-
-# generation_config.json keys that set a sampling default; greedy files (do_sample false) set temperature 0.
-GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def _generation_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
-    defaults = {k: generation_config[k] for k in GENERATION_SAMPLING_KEYS if generation_config.get(k) is not None}
-    if generation_config.get("do_sample") is False:
-        defaults = {"temperature": 0.0}
-    return defaults
-
-
-def _eos_token_ids(hf_config: Mapping[str, Any], generation_config: Mapping[str, Any]) -> tuple[int, ...]:
-    merged: list[int] = []
-    for source in (hf_config.get("eos_token_id"), generation_config.get("eos_token_id")):
-        for token in _as_int_list(source):
-            if token not in merged:
-                merged.append(token)
-    return tuple(merged)
-
-
-def _bos_token_id(hf_config: Mapping[str, Any], generation_config: Mapping[str, Any]) -> Optional[int]:
-    for source in (hf_config.get("bos_token_id"), generation_config.get("bos_token_id")):
-        if source is not None:
-            return int(source)
+def _attention_scale(hf_config: Mapping[str, Any]) -> Optional[float]:
+    """Gemma 2/3: query_pre_attn_scalar ** -0.5; Granite: attention_multiplier; else None (head_dim ** -0.5)."""
+    if hf_config.get("query_pre_attn_scalar") is not None:
+        return float(hf_config["query_pre_attn_scalar"]) ** -0.5
+    if hf_config.get("attention_multiplier") is not None:
+        return float(hf_config["attention_multiplier"])
     return None
 
 
-def _as_int_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
-def _required_int(hf_config: Mapping[str, Any], key: str) -> int:
-    if hf_config.get(key) is None:
-        raise ValueError(f"config.json lacks required key {key!r}")
-    return int(hf_config[key])
+__all__ = ["GENERATION_SAMPLING_KEYS", "SUPPORTED_ARCHITECTURES", "ArchitectureTraits", "ModelConfig",
+           "check_device_usable", "resolve_device", "resolve_dtype"]

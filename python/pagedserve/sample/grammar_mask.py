@@ -1,4 +1,8 @@
-"""The structured-output token mask as the sampler takes it (filled by pagedserve.engine.grammar)."""
+"""The structured-output token mask as the sampler takes it (filled by pagedserve.engine.grammar).
+
+Both grammar backends (xgrammar, and llguidance where xgrammar cannot compile) write the same layout, an
+int32 [rows, ceil(vocab / 32)] bitmask with token t allowed when bit t % 32 of word t // 32 is set, so
+one kernel (xgrammar's) applies either's rows."""
 
 from __future__ import annotations
 

@@ -60,6 +60,7 @@ class PendingSamples:
     def __init__(self, host: Optional[torch.Tensor], event, finish: Callable[[np.ndarray], SamplerOutput],
                  output: Optional[SamplerOutput] = None):
         self._host, self._event, self._finish, self._output = host, event, finish, output
+        self.prompt_logprobs: Optional["PendingSamples"] = None  # the step's prompt logprobs (model runner)
 
     @classmethod
     def ready(cls, output: SamplerOutput) -> "PendingSamples":

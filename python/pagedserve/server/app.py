@@ -185,7 +185,8 @@ def serve(args: argparse.Namespace, build_engine: Optional[Callable[[], EngineCl
                         allowed_hosts=parse_allowed_hosts(args.allowed_hosts, args.host),
                         served_model_name=(served_model_names(args.served_model_name) or [None])[0],
                         model_aliases=served_model_names(args.served_model_name)[1:],
-                        allowed_origins=parse_allowed_origins(args.allowed_origins), chat_template=chat_template)
+                        allowed_origins=parse_allowed_origins(args.allowed_origins), chat_template=chat_template,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     request_log = RequestLog(log_requests=not args.disable_log_requests, interval_s=args.log_stats_interval)
     flood = RateLimitedLog()
     server: Optional[GracefulServer] = None

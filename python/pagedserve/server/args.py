@@ -16,6 +16,8 @@ import argparse
 from typing import Optional
 
 from pagedserve.cli_args import add_chat_template_arg
+from pagedserve.server.reasoning import REASONING_PARSERS
+from pagedserve.server.tools.parsers import PARSERS
 
 DEFAULT_PORT = 8000
 
@@ -41,6 +43,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated origins allowed by CORS ('*' for any); without it no CORS "
                         "headers are sent (default: %(default)s)")
     add_chat_template_arg(g)
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS), metavar="NAME",
+                   help=f"how the model writes tool calls ({', '.join(sorted(PARSERS))}) (default: the shipped "
+                        "tools template's, hermes, when the model's template has no tools; else the model "
+                        "family's)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted as vLLM spells it: tool_choice \"auto\" is always on (default: %(default)s)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS), metavar="NAME",
+                   help=f"split the model's <think> reasoning into reasoning_content "
+                        f"({', '.join(sorted(REASONING_PARSERS))}) (default: %(default)s, all text is content)")
     g.add_argument("--max-num-waiting", type=int, default=4096, metavar="N",
                    help="sequences (prompts x n) that may wait for the engine; a call beyond gets 503, one "
                         "that could never fit gets 400 (default: %(default)s)")

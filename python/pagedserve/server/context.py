@@ -28,6 +28,8 @@ class ServerContext:
     model_aliases: list[str] = field(default_factory=list)  # further names accepted as "model"
     allowed_origins: Optional[list[str]] = None  # CORS origins; None: no CORS
     chat_template: Optional[str] = None  # --chat-template's text; None: the model's own
+    tool_call_parser: Optional[str] = None  # --tool-call-parser; None: by the template and model family
+    reasoning_parser: Optional[str] = None  # --reasoning-parser; None: no reasoning_content
     started_at: float = field(default_factory=time.time)
     # Set once the model has loaded:
     info: Optional[EngineInfo] = None
@@ -41,6 +43,10 @@ class ServerContext:
     @property
     def limits(self) -> Optional[EngineLimits]:
         return self.info.limits if self.info is not None else None
+
+    @property
+    def architecture(self) -> str:
+        return self.info.architecture if self.info is not None else ""
 
     @property
     def device(self) -> Optional[str]:

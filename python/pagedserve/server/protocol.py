@@ -91,9 +91,10 @@ PromptField = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(SamplingFields):
     prompt: PromptField
-    max_tokens: Optional[int] = Field(16, ge=1, le=INT32_MAX)
+    max_tokens: Optional[int] = Field(16, ge=0, le=INT32_MAX)  # 0: only with echo (scoring the prompt)
     logprobs: Optional[int] = Field(None, ge=0, le=INT32_MAX)
     echo: bool = False
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=INT32_MAX)  # vLLM's
     suffix: Optional[str] = None
     best_of: Optional[int] = Field(None, ge=1, le=INT32_MAX)
 
@@ -102,6 +103,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[dict]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None  # an assistant's calls, {"id", "type", "function": {name, arguments}}
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -112,6 +115,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[list[dict]] = None
     tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict] = None
@@ -121,6 +125,7 @@ class TokenizeRequest(_Body):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[dict]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False

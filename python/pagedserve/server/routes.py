@@ -10,7 +10,9 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 
 from pagedserve.engine.validation import check_text, check_token_ids
 from pagedserve.server.context import ServerContext
-from pagedserve.server.engine_inputs import chat_prompt, require_tokenizer
+from pagedserve.server.chat_inputs import chat_prompt, choose_template, uses_tools
+from pagedserve.server.engine_inputs import require_tokenizer
+from pagedserve.server.tools.tool_choice import check_tools
 from pagedserve.server.engine_state import read_engine_state
 from pagedserve.server.errors import bad_request
 from pagedserve.server.metrics import CONTENT_TYPE_LATEST
@@ -118,6 +120,9 @@ def _tokenize(ctx: ServerContext, body: TokenizeRequest) -> dict:
         ids = encode_prompt(ctx.tokenizer, body.prompt) if body.add_special_tokens else \
             list(ctx.tokenizer.encode(body.prompt, add_special_tokens=False))
     else:
-        ids = chat_prompt(body, ctx.tokenizer, ctx.chat_template)["prompt_token_ids"]
+        if body.tools:
+            check_tools(body.tools)
+        template = choose_template(ctx.chat_template, ctx.tokenizer, uses_tools(body))
+        ids = chat_prompt(body, ctx.tokenizer, template, body.tools)["prompt_token_ids"]
     return {"count": len(ids), "max_model_len": ctx.limits.max_model_len, "tokens": ids,
             "token_strs": ctx.tokenizer.convert_ids_to_tokens(ids)}

@@ -12,6 +12,7 @@ for max_model_len, so one capture serves every context length.
 from __future__ import annotations
 
 import logging
+import gc
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -48,8 +49,16 @@ class CudaGraphs:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         inputs.fill_capture_batch(max_num_seqs)
-        for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            self._by_size[bs] = self._capture(model, kv_cache, inputs, bs, max_seq_len, pool)
+        # No garbage collection while capturing: a collected CUDA tensor (e.g. of an engine this process
+        # dropped) freed mid-capture invalidates it ("operation failed due to a previous error during
+        # capture", seen on an H100 with several engines in one process).
+        gc.collect()
+        gc.disable()
+        try:
+            for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
+                self._by_size[bs] = self._capture(model, kv_cache, inputs, bs, max_seq_len, pool)
+        finally:
+            gc.enable()
         torch.cuda.synchronize()
         logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
                     self.sizes[-1], time.perf_counter() - start)

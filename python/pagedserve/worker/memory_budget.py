@@ -66,14 +66,18 @@ class KVPlan:
 
 
 def plan_kv_cache(config, max_position_embeddings: int, bytes_per_block: int,
-                  profile_budget: Callable[[], int]) -> KVPlan:
+                  profile_budget: Callable[[], int], kv_window: int = 0) -> KVPlan:
     """How many blocks to allocate and the max_model_len they allow.
 
     config: a resolved EngineConfig. profile_budget() is called only on a GPU without an explicit size:
-    it returns the bytes gpu_memory_utilization leaves for the cache (kv_cache_budget_bytes).
+    it returns the bytes gpu_memory_utilization leaves for the cache (kv_cache_budget_bytes). kv_window:
+    every layer slides over this many positions (ModelConfig.kv_window), so a sequence holds at most the
+    blocks of its window (the scheduler frees the rest) and max_model_len is not bounded by the pool.
     """
     block_size, max_model_len = config.block_size, config.max_model_len
     blocks_per_seq = math.ceil(max_model_len / block_size)
+    if kv_window:
+        blocks_per_seq = min(blocks_per_seq, math.ceil((kv_window - 1) / block_size) + 1)
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_memory_gb is not None:
@@ -83,7 +87,7 @@ def plan_kv_cache(config, max_position_embeddings: int, bytes_per_block: int,
         num_blocks = int(profile_budget() // bytes_per_block)  # a GPU keeps every spare block for the prefix cache
     num_blocks = max(1, num_blocks)
     capacity = num_blocks * block_size
-    if max_model_len > capacity:
+    if blocks_per_seq * block_size > capacity:
         if max_model_len == max_position_embeddings:  # the model's own limit: serve what fits
             logger.warning("lowering max_model_len from %d to %d to fit the KV cache", max_model_len, capacity)
             max_model_len = capacity

@@ -11,11 +11,14 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 
 from pagedserve import ops
+from pagedserve.models.attention_metadata import AttentionMetadata
+from pagedserve.sample import prompt_logprobs
 from pagedserve.sample.sampler import PendingSamples, Sampler
-from pagedserve.worker.step_inputs import StepInputs
+from pagedserve.worker.step_inputs import PAD_SLOT, StepInputs
 
 
 class ModelRunner:
@@ -34,28 +37,60 @@ class ModelRunner:
         self.torch_threads = torch_threads
 
     @torch.inference_mode()
-    def execute_async(self, step, rows, grammar=None) -> PendingSamples:
+    def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> PendingSamples:
         """Queues `step` (a _core.StepOutput, or any object with its fields) and the sampling of
         `rows` (one SamplingRow per sample row) on the device; the result arrives with
-        PendingSamples.result(). `grammar`: the sampler's token mask, or a callable returning it."""
+        PendingSamples.result(). `grammar`: the sampler's token mask, or a callable returning it.
+        `prompt_plan` (sample.prompt_logprobs.PromptLogprobsPlan, prefill steps only): the prompt
+        logprobs to compute too; they arrive with the result's `prompt_logprobs.result()`."""
         with _torch_threads(self.torch_threads):
             if step.block_copies.shape[0]:
                 copies = torch.from_numpy(step.block_copies.copy()).to(self.device, non_blocking=True)
                 ops.copy_blocks(self.kv_cache, copies)
-            logits = self.compute_logits(step)
+            logits, prompt_pending = self._forward(step, prompt_plan)
             if callable(grammar):  # the structured-output mask: filled on the host while the device runs the forward
                 grammar = grammar()
-            return self.sampler.launch(logits, rows, grammar)
+            pending = self.sampler.launch(logits, rows, grammar)
+            pending.prompt_logprobs = prompt_pending
+            return pending
 
     def compute_logits(self, step) -> torch.Tensor:
-        graph = self.graphs.lookup(step) if self.graphs is not None else None
+        return self._forward(step)[0]
+
+    def _forward(self, step, prompt_plan=None) -> tuple[torch.Tensor, Optional[PendingSamples]]:
+        """The logits of the step's sample rows, and the pending prompt logprobs of `prompt_plan`."""
+        graph = self.graphs.lookup(step) if self.graphs is not None and prompt_plan is None else None
         if graph is not None:
             _, _, _, logits_indices = self.inputs.prepare(step, padded_num_seqs=graph.batch_size)
             hidden = graph.replay()
         else:
             input_ids, positions, attn, logits_indices = self.inputs.prepare(step)
             hidden = self.model.forward(input_ids, positions, attn, self.kv_cache)
-        return self.model.compute_logits(hidden[logits_indices.long()])
+        logits = self.model.compute_logits(hidden[logits_indices.long()])
+        if prompt_plan is None:
+            return logits, None
+        step_rows = hidden[torch.tensor(prompt_plan.step_rows, dtype=torch.int64).to(self.device)]
+        rows = [self._recompute_hidden(r) for r in prompt_plan.recompute] + [step_rows]
+        return logits, prompt_logprobs.launch(prompt_plan, self.model, torch.cat(rows), self.sampler.vocab_size)
+
+    def _recompute_hidden(self, r: "prompt_logprobs.Recompute") -> torch.Tensor:
+        """The hidden states of prompt positions whose KV the prefix cache supplied: a forward over them
+        that reads their KV from the sequence's blocks and writes none, in slices of the step's token
+        budget."""
+        parts, table = [], torch.from_numpy(np.ascontiguousarray(r.block_table, dtype=np.int32))
+        table = table.view(1, -1).to(self.device)
+        for start in range(0, len(r.token_ids), self.inputs.max_num_tokens):
+            ids = r.token_ids[start:start + self.inputs.max_num_tokens]
+            end = r.begin + start + len(ids)
+            attn = AttentionMetadata(
+                slot_mapping=torch.full((len(ids),), PAD_SLOT, dtype=torch.int32, device=self.device),
+                block_tables=table, query_start_loc=torch.tensor([0, len(ids)], dtype=torch.int32).to(self.device),
+                seq_lens=torch.tensor([end], dtype=torch.int32).to(self.device), max_query_len=len(ids),
+                max_seq_len=end, num_decodes=0, workspace=self.inputs.workspace)
+            positions = torch.arange(end - len(ids), end, dtype=torch.int32).to(self.device)
+            ids_t = torch.tensor(ids, dtype=torch.int32).to(self.device)
+            parts.append(self.model.forward(ids_t, positions, attn, self.kv_cache))
+        return torch.cat(parts)
 
 
 @contextlib.contextmanager

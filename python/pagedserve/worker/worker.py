@@ -45,13 +45,13 @@ class Worker:
         self.kv_plan: KVPlan = plan_kv_cache(
             config, mc.max_position_embeddings, per_block,
             lambda: kv_cache_budget_bytes(lambda: self._run_worst_case_step(config), config.gpu_memory_utilization,
-                                          device, baseline_bytes))
+                                          device, baseline_bytes), mc.kv_window)
         plan = self.kv_plan
         kv_cache = allocate_kv_cache(mc.num_layers, plan.num_blocks, mc.num_kv_heads, plan.block_size, mc.head_dim,
                                      mc.dtype, device)
         inputs = self._step_inputs(config, plan.max_model_len)
         graphs = None
-        if device.type == "cuda" and not config.enforce_eager:
+        if device.type == "cuda" and not config.enforce_eager and getattr(self.model, "supports_cuda_graphs", True):
             from pagedserve.worker.cuda_graphs import CudaGraphs
             graphs = CudaGraphs(self.model, kv_cache, inputs, config.max_num_seqs, plan.max_model_len)
         # Packed weights: every matrix product runs in our ops' pool; torch keeps only light work.
@@ -61,8 +61,8 @@ class Worker:
                     mc.model_dir.name if mc.model_dir else mc.architecture, device, mc.dtype, plan.num_blocks,
                     plan.block_size, kv_cache.numel() * kv_cache.element_size() / 2**30, plan.max_model_len)
 
-    def execute_async(self, step, rows, grammar=None) -> PendingSamples:
-        return self.runner.execute_async(step, rows, grammar)
+    def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> PendingSamples:
+        return self.runner.execute_async(step, rows, grammar, prompt_plan)
 
     def _step_inputs(self, config: EngineConfig, max_model_len: int) -> StepInputs:
         return StepInputs(config.max_num_batched_tokens, config.max_num_seqs,

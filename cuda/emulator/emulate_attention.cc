@@ -1,0 +1,132 @@
+// paged_attention on the emulator against the CPU op: split-K decode, prefill
+// / extend, float32, and the options (sliding window, soft-capping).
+#include "emu_check.h"
+
+namespace emu_check {
+namespace {
+
+struct Row {
+  int q_len;
+  int seq_len;
+};
+
+struct AttentionCase {
+  DType dtype;
+  int head_dim, block_size, num_kv_heads, group;
+  std::vector<Row> rows;  // decode rows (q_len 1) first
+  int max_seq_len = 0;     // 0: the longest row's
+  int workspace_rows = 0;  // 0: size the workspace for the decode rows
+  int padding_tokens = 0;  // query tokens past the last row, which must stay untouched
+  cpu::AttentionOptions options = {};
+};
+
+void attention_case(const AttentionCase& c) {
+  const int hq = c.num_kv_heads * c.group, D = c.head_dim, B = c.block_size;
+  const int S = static_cast<int>(c.rows.size());
+  int num_decodes = 0;
+  while (num_decodes < S && c.rows[size_t(num_decodes)].q_len == 1) ++num_decodes;
+  int num_tokens = 0, max_q = 1, max_s = 0, max_blocks = 1, total_blocks = 0;
+  for (const Row& r : c.rows) {
+    num_tokens += r.q_len;
+    max_q = std::max(max_q, r.q_len);
+    max_s = std::max(max_s, r.seq_len);
+    max_blocks = std::max(max_blocks, (r.seq_len + B - 1) / B);
+    total_blocks += (r.seq_len + B - 1) / B;
+  }
+  const int num_blocks = total_blocks + 3, pad_block = num_blocks - 1;
+  std::vector<int> free_blocks(size_t(num_blocks - 1));
+  std::iota(free_blocks.begin(), free_blocks.end(), 0);
+  std::shuffle(free_blocks.begin(), free_blocks.end(), rng);
+
+  Tensor tables(DType::kInt32, {S, max_blocks}), starts(DType::kInt32, {S + 1}), lens(DType::kInt32, {S});
+  Tensor key_cache = Tensor(c.dtype, {num_blocks, c.num_kv_heads, B, D}).poison();
+  Tensor value_cache = Tensor(c.dtype, {num_blocks, c.num_kv_heads, B, D}).poison();
+  size_t next_block = 0;
+  starts.ints()[0] = 0;
+  for (int s = 0; s < S; ++s) {
+    const Row r = c.rows[size_t(s)];
+    int32_t* table = tables.ints() + s * max_blocks;
+    // Blocks wholly before the first query's window point at the NaN pad block,
+    // as if given back to the pool: reading one would poison the output.
+    const int first_read = r.q_len > 0 ? int(c.options.first_visible(r.seq_len - r.q_len)) / B : 0;
+    for (int i = 0; i < max_blocks; ++i) {
+      table[i] = i >= first_read && i < (r.seq_len + B - 1) / B ? free_blocks[next_block++] : pad_block;
+    }
+    starts.ints()[s + 1] = starts.ints()[s] + r.q_len;
+    lens.ints()[s] = r.seq_len;
+    for (int p = first_read * B; p < r.seq_len; ++p) {  // only readable slots get values; the rest stay NaN
+      for (int h = 0; h < c.num_kv_heads; ++h) {
+        for (int d = 0; d < D; ++d) {
+          const int64_t offset = ((int64_t{table[p / B]} * c.num_kv_heads + h) * B + p % B) * D + d;
+          key_cache.set(offset, randn());
+          value_cache.set(offset, randn());
+        }
+      }
+    }
+  }
+  Tensor query = Tensor(c.dtype, {num_tokens + c.padding_tokens, hq, D}).randomize(c.options.softcap > 0 ? 4.f : 1.f);
+  Tensor out = Tensor(c.dtype, {num_tokens + c.padding_tokens, hq, D}).poison();
+  Tensor query_ref(c.dtype, {num_tokens, hq, D}), out_ref(c.dtype, {num_tokens, hq, D});
+  std::memcpy(query_ref.data(), query.data(), query_ref.bytes.size());
+  const float scale = 1.f / std::sqrt(float(D));
+  const int max_seq_len = c.max_seq_len ? c.max_seq_len : max_s;
+  const size_t workspace_bytes =
+      gpu::paged_attention_workspace_bytes(c.workspace_rows ? c.workspace_rows : num_decodes, hq, D, max_seq_len);
+  Tensor workspace = Tensor(DType::kFloat32, {std::max<int64_t>(1, int64_t(workspace_bytes + 3) / 4)}).poison();
+
+  gpu::paged_attention(out.gpu(), query.gpu(), key_cache.gpu(), value_cache.gpu(), tables.gpu(), starts.gpu(),
+                       lens.gpu(), scale, max_q, max_seq_len, num_decodes, workspace.gpu(), c.options, nullptr);
+  cpu::paged_attention(out_ref.cpu(), query_ref.cpu(), key_cache.cpu(), value_cache.cpu(), tables.cpu(), starts.cpu(),
+                       lens.cpu(), scale, c.options);
+
+  std::string what = std::string("paged_attention ") + name(c.dtype) + " D" + std::to_string(D) + " B" +
+                     std::to_string(B) + " G" + std::to_string(c.group) + " rows";
+  for (const Row& r : c.rows) what += " " + std::to_string(r.q_len) + "/" + std::to_string(r.seq_len);
+  if (c.max_seq_len) what += " max_seq_len " + std::to_string(c.max_seq_len);
+  if (c.workspace_rows) what += " workspace x" + std::to_string(c.workspace_rows);
+  if (c.options.window) what += " window " + std::to_string(c.options.window);
+  if (c.options.softcap > 0) what += " softcap " + std::to_string(int(c.options.softcap));
+  const double error = relative_error(out, out_ref, out_ref.numel());
+  report(what, error < tolerance(c.dtype), error);
+  if (c.padding_tokens) {
+    bool untouched = true;
+    for (int64_t i = out_ref.numel(); i < out.numel(); ++i) untouched &= std::isnan(out.get(i));
+    report("  padding tokens left unwritten", untouched);
+  }
+}
+
+}  // namespace
+
+void attention_cases() {
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    // Split-K decode (2 partitions), single-partition decode rows, prefill after a cached prefix.
+    attention_case({dt, 128, 16, 2, 4, {{1, 700}, {1, 1}, {1, 70}, {5, 40}, {70, 100}}});
+    // A workspace sized for 64 rows lets 2 rows split into 256-token partitions.
+    attention_case({dt, 64, 32, 1, 8, {{1, 300}, {1, 17}}, 0, 64});
+    // The decode grid sized for max_seq_len 1500 (CUDA graphs): extra partitions exit.
+    attention_case({dt, 64, 16, 2, 1, {{1, 33}, {66, 66}, {3, 200}}, 1500});
+  }
+  attention_case({DType::kBFloat16, 128, 32, 1, 32, {{1, 130}, {20, 50}}});  // 32 heads per kv head: two CTAs
+  attention_case({DType::kBFloat16, 128, 32, 2, 2, {{1, 512}, {1, 513}, {1, 1100}, {130, 200}, {64, 64}, {65, 65}}});
+  attention_case({DType::kFloat16, 64, 16, 4, 1, {{2, 2}, {129, 129}, {7, 300}}});          // prefill only
+  attention_case({DType::kBFloat16, 128, 16, 2, 4, {{1, 1}, {1, 2}, {1, 64}, {1, 65}}, 0, 256});  // decode only
+  attention_case({DType::kFloat16, 128, 16, 2, 4, {{1, 40}, {5, 20}}, 0, 0, 3});
+  attention_case({DType::kFloat32, 128, 16, 2, 4, {{1, 40}, {5, 20}}, 0, 0, 3});
+}
+
+void attention_option_cases() {
+  // Sliding windows (smaller and larger than the contexts, windows that start
+  // mid-block and mid-tile, chunked prefill past the window) and soft-capping.
+  // With a cap the queries are scaled up (x4) so that the cap bends the scores.
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    attention_case({dt, 128, 16, 2, 4, {{1, 700}, {1, 1}, {1, 70}, {5, 40}, {70, 300}}, 0, 0, 0, {100, 0.f}});
+    attention_case({dt, 64, 16, 2, 1, {{1, 33}, {66, 66}, {3, 200}}, 1500, 0, 0, {37, 3.f}});
+  }
+  // Split-K inside the window (600 tokens: 3 partitions of 256), a chunk whose window starts mid-tile.
+  attention_case({DType::kBFloat16, 64, 32, 1, 8, {{1, 1300}, {1, 17}, {70, 900}, {64, 64}}, 0, 0, 0, {600, 0.f}});
+  attention_case({DType::kFloat16, 128, 16, 2, 4, {{1, 700}, {1, 70}, {70, 300}}, 0, 0, 0, {0, 5.f}});
+  attention_case({DType::kFloat16, 64, 16, 4, 1, {{129, 129}, {20, 300}}, 0, 0, 0, {1, 0.f}});  // only itself
+  attention_case({DType::kFloat16, 128, 16, 2, 4, {{1, 40}, {5, 20}}, 0, 0, 3, {8, 2.f}});
+}
+
+}  // namespace emu_check

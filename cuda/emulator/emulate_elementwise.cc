@@ -1,0 +1,100 @@
+// The elementwise ops and cache writers on the emulator against the CPU ops:
+// most are bit-identical, all within the dtype's tolerance.
+#include "emu_check.h"
+
+namespace emu_check {
+namespace {
+
+void norm_cases(DType dt) {
+  for (auto [rows, hidden] : std::vector<std::pair<int, int>>{{3, 2048}, {5, 1001}, {2, 16384}, {17, 128}, {2, 8}}) {
+    const std::string shape = std::string(name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hidden);
+    Tensor x = Tensor(dt, {rows, hidden}).randomize(3), weight = Tensor(dt, {hidden}).randomize();
+    Tensor out = Tensor(dt, {rows, hidden}).poison(), expected(dt, {rows, hidden});
+    gpu::rms_norm(out.gpu(), x.gpu(), weight.gpu(), 1e-6f, nullptr);
+    cpu::rms_norm(expected.cpu(), x.cpu(), weight.cpu(), 1e-6f);
+    expect_close("rms_norm " + shape, out, expected);
+
+    Tensor residual = Tensor(dt, {rows, hidden}).randomize(2);
+    Tensor x_ref = x, residual_ref = residual;
+    gpu::fused_add_rms_norm(x.gpu(), residual.gpu(), weight.gpu(), 1e-6f, nullptr);
+    cpu::fused_add_rms_norm(x_ref.cpu(), residual_ref.cpu(), weight.cpu(), 1e-6f);
+    expect_close("fused_add_rms_norm x " + shape, x, x_ref);
+    expect_close("fused_add_rms_norm residual " + shape, residual, residual_ref);
+  }
+}
+
+void rotary_cases(DType dt) {
+  for (auto [tokens, hq, hkv, head_dim, rotary_dim] :
+       std::vector<std::array<int, 5>>{{3, 8, 2, 128, 128}, {5, 4, 4, 128, 64}, {4, 6, 2, 80, 40}, {2, 2, 1, 64, 64}}) {
+    const int max_position = 64;
+    Tensor cos_sin(DType::kFloat32, {max_position, rotary_dim});
+    for (int p = 0; p < max_position; ++p) {
+      for (int i = 0; i < rotary_dim / 2; ++i) {
+        const double angle = p * std::pow(10000.0, -2.0 * i / rotary_dim);
+        cos_sin.set(p * rotary_dim + i, float(std::cos(angle)));
+        cos_sin.set(p * rotary_dim + rotary_dim / 2 + i, float(std::sin(angle)));
+      }
+    }
+    Tensor positions(DType::kInt32, {tokens});
+    for (int t = 0; t < tokens; ++t) positions.ints()[t] = randint(0, max_position - 1);
+    Tensor query = Tensor(dt, {tokens, hq, head_dim}).randomize(), key = Tensor(dt, {tokens, hkv, head_dim}).randomize();
+    Tensor query_ref = query, key_ref = key;
+    gpu::rotary_embedding(positions.gpu(), query.gpu(), key.gpu(), cos_sin.gpu(), nullptr);
+    cpu::rotary_embedding(positions.cpu(), query_ref.cpu(), key_ref.cpu(), cos_sin.cpu());
+    const std::string shape = std::string(name(dt)) + " D" + std::to_string(head_dim) + " R" + std::to_string(rotary_dim);
+    expect_close("rotary_embedding query " + shape, query, query_ref);
+    expect_close("rotary_embedding key " + shape, key, key_ref);
+  }
+}
+
+void activation_cases(DType dt) {
+  for (auto [tokens, width] : std::vector<std::pair<int, int>>{{3, 5632}, {2, 1001}, {7, 64}}) {
+    Tensor x = Tensor(dt, {tokens, 2 * width}).randomize(3);
+    Tensor out = Tensor(dt, {tokens, width}).poison(), expected(dt, {tokens, width});
+    gpu::silu_and_mul(out.gpu(), x.gpu(), nullptr);
+    cpu::silu_and_mul(expected.cpu(), x.cpu());
+    expect_close(std::string("silu_and_mul ") + name(dt) + " I" + std::to_string(width), out, expected);
+  }
+}
+
+void cache_cases(DType dt) {
+  for (auto [hkv, head_dim, block_size] : std::vector<std::array<int, 3>>{{2, 128, 16}, {3, 20, 16}, {1, 64, 32}}) {
+    const int num_blocks = 6, tokens = 9;
+    Tensor key = Tensor(dt, {tokens, hkv, head_dim}).randomize(), value = Tensor(dt, {tokens, hkv, head_dim}).randomize();
+    Tensor key_cache = Tensor(dt, {num_blocks, hkv, block_size, head_dim}).randomize();
+    Tensor value_cache = Tensor(dt, {num_blocks, hkv, block_size, head_dim}).randomize();
+    Tensor key_cache_ref = key_cache, value_cache_ref = value_cache;
+    std::vector<int> slots(size_t(num_blocks * block_size));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    Tensor slot_mapping(DType::kInt32, {tokens});
+    for (int t = 0; t < tokens; ++t) slot_mapping.ints()[t] = t % 4 == 1 ? -1 : slots[size_t(t)];
+    gpu::reshape_and_cache(key.gpu(), value.gpu(), key_cache.gpu(), value_cache.gpu(), slot_mapping.gpu(), nullptr);
+    cpu::reshape_and_cache(key.cpu(), value.cpu(), key_cache_ref.cpu(), value_cache_ref.cpu(), slot_mapping.cpu());
+    report(std::string("reshape_and_cache ") + name(dt) + " D" + std::to_string(head_dim),
+           key_cache.same_bytes(key_cache_ref) && value_cache.same_bytes(value_cache_ref));
+  }
+  for (auto [hkv, block_size, head_dim] : std::vector<std::array<int, 3>>{{2, 16, 64}, {1, 1, 3}}) {
+    Tensor kv_cache = Tensor(dt, {2, 2, 8, hkv, block_size, head_dim}).randomize();
+    Tensor kv_cache_ref = kv_cache;
+    Tensor copies(DType::kInt32, {3, 2});
+    const int pairs[6] = {5, 0, 2, 7, 3, 1};
+    std::memcpy(copies.ints(), pairs, sizeof(pairs));
+    gpu::copy_blocks(kv_cache.gpu(), copies.gpu(), nullptr);
+    cpu::copy_blocks(kv_cache_ref.cpu(), copies.cpu());
+    report(std::string("copy_blocks ") + name(dt) + " D" + std::to_string(head_dim), kv_cache.same_bytes(kv_cache_ref));
+  }
+}
+
+}  // namespace
+
+void elementwise_cases() {
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    norm_cases(dt);
+    rotary_cases(dt);
+    activation_cases(dt);
+    cache_cases(dt);
+  }
+}
+
+}  // namespace emu_check

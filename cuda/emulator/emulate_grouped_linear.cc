@@ -1,0 +1,51 @@
+// grouped_linear on the emulator against the CPU op: ragged and empty
+// experts, row tiles that straddle experts' boundaries, N and K not multiples
+// of the 64 x 64 tile, padding rows outside the offsets left unwritten.
+#include "emu_check.h"
+
+namespace emu_check {
+namespace {
+
+void grouped_case(DType dt, int k_size, int n_size, std::vector<int> counts, int lead = 0, int tail = 0) {
+  const int experts = static_cast<int>(counts.size());
+  Tensor offsets(DType::kInt32, {experts + 1});
+  offsets.ints()[0] = lead;
+  for (int e = 0; e < experts; ++e) offsets.ints()[e + 1] = offsets.ints()[e] + counts[size_t(e)];
+  const int rows = offsets.ints()[experts] + tail;
+  Tensor x = Tensor(dt, {rows, k_size}).randomize(), weight = Tensor(dt, {experts, n_size, k_size}).randomize(0.1f);
+  Tensor out = Tensor(dt, {rows, n_size}).poison(), expected = Tensor(dt, {rows, n_size}).poison();
+  gpu::grouped_linear(out.gpu(), x.gpu(), weight.gpu(), offsets.gpu(), nullptr);
+  cpu::grouped_linear(expected.cpu(), x.cpu(), weight.cpu(), offsets.cpu());
+  std::string what = std::string("grouped_linear ") + name(dt) + " K" + std::to_string(k_size) + " N" +
+                     std::to_string(n_size) + " rows";
+  for (int c : counts) what += " " + std::to_string(c);
+  // Compare the routed rows; the rest must still be NaN in both.
+  const int64_t first = int64_t{lead} * n_size, count = int64_t{offsets.ints()[experts] - lead} * n_size;
+  double diff = 0, norm = 0;
+  bool finite = true, untouched = true;
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    const bool routed = i >= first && i < first + count;
+    if (!routed) {
+      untouched &= std::isnan(out.get(i));
+      continue;
+    }
+    const double a = out.get(i), e = expected.get(i);
+    finite &= std::isfinite(a);
+    diff += (a - e) * (a - e);
+    norm += e * e;
+  }
+  const double error = finite ? std::sqrt(diff / std::max(norm, 1e-300)) : INFINITY;
+  report(what, error < tolerance(dt) && untouched, error);
+}
+
+}  // namespace
+
+void grouped_linear_cases() {
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    grouped_case(dt, 128, 96, {70, 0, 5, 64, 1});        // empty expert, tiles of 1 to 64 rows
+    grouped_case(dt, 200, 64, {3, 130}, 2, 3);             // K past the 64-chunk, padding rows around
+    grouped_case(dt, 64, 130, {17, 9, 0, 0, 40});          // N past the tile, trailing empty experts
+  }
+}
+
+}  // namespace emu_check

@@ -1,0 +1,205 @@
+"""The two grammar engines behind structured outputs: xgrammar first, llguidance where xgrammar cannot.
+
+xgrammar compiles every kind and is fast, but refuses some schemas and regexes (Unicode classes such as
+\\p{L}, JSON pointers with escapes like "#/$defs/a~1b", integer bounds given as 0.5, ...). llguidance
+implements another subset, so for json schemas, regexes, grammars and legacy structural tags it is the
+fallback (pagedserve.engine.grammar decides; this module only compiles).
+
+Both backends give `CompiledGrammar`s whose `new_matcher()` matchers share one interface, the one of
+xgrammar's GrammarMatcher that the engine already uses:
+
+- accept_token(token) -> bool: advances; False when the grammar refuses the token;
+- is_terminated() -> bool: the grammar has ended (its stop token accepted, or no token can follow);
+- fill_next_token_bitmask(bitmask, row): writes the allowed next tokens into row `row` of an int32
+  bitmask [rows, ceil(vocab / 32)] (bit t % 32 of word t // 32), the layout both libraries use, so
+  the sampler applies either's mask the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from pagedserve.engine import structural_tag
+from pagedserve.errors import RequestError
+from pagedserve.sampling_params import StructuredOutputsParams
+
+# The longest whitespace run allowed between two JSON tokens: enough for any sane indentation (a newline and
+# 8 levels of 2-3 spaces), short enough that a small model cannot loop on newlines until max_tokens (SmolLM2-135M
+# did, greedily, with unbounded whitespace). llama.cpp bounds its JSON grammars the same way (20 spaces).
+MAX_WHITESPACE_RUN = 24
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    """A compiled spec: which backend compiled it, and how to make a fresh matcher for one sample."""
+
+    backend: str  # "xgrammar" or "llguidance"
+    new_matcher: Callable[[], object]
+
+
+def json_schema_text(spec: StructuredOutputsParams) -> str:
+    """The spec's JSON schema as JSON text; RequestError when it is not a JSON object (the spec is at
+    fault, whichever backend compiles it)."""
+    schema = spec.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as err:
+            raise RequestError(f"structured_outputs: the json schema is not valid JSON: {err}",
+                               "structured_outputs", "invalid_grammar") from None
+    if not isinstance(schema, dict):
+        raise RequestError("structured_outputs: the json schema must be a JSON object", "structured_outputs",
+                           "invalid_grammar")
+    return json.dumps(bounded_numbers(schema))
+
+
+# JSON's interoperable range (RFC 8259 section 6): |n| <= 2**53 - 1. A number or integer the schema leaves
+# unbounded gets these bounds, which cap its digits (xgrammar writes bounded ranges with bounded digits, the
+# fraction's too): small models otherwise repeat a digit until max_tokens (SmolLM2-135M wrote "age":
+# 2018635749668888888... at temperature 0.3). llama.cpp caps digits the same way (16).
+SAFE_INTEGER = 2**53 - 1
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def bounded_numbers(schema):
+    """A copy of `schema` where every number or integer subschema without a lower (upper) bound gets
+    -SAFE_INTEGER (SAFE_INTEGER); values under const/enum/default/examples are data and stay as they are."""
+    if isinstance(schema, list):
+        return [bounded_numbers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA_KEYWORDS else bounded_numbers(v) for k, v in schema.items()}
+    if out.get("type") in ("integer", "number"):
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+    return out
+
+
+class XgrammarBackend:
+    """Compiles every kind with xgrammar; its GrammarMatcher is the matcher as is."""
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        import xgrammar as xgr
+
+        # The model's logits may be wider than the tokenizer's vocabulary: size the masks by the model's.
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(eos_token_ids) or None)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """Raises whatever xgrammar raises (RuntimeError, ValueError, InvalidJSONError, ...), or
+        RequestError for a json schema that is not a JSON object."""
+        import xgrammar as xgr
+
+        compiled = self._compile(spec)
+        return CompiledGrammar(self.name, lambda: xgr.GrammarMatcher(compiled))
+
+    def _compile(self, spec: StructuredOutputsParams):
+        compiler, kind = self._compiler, spec.kind
+        if kind == "json":
+            free = not spec.disable_any_whitespace
+            return compiler.compile_json_schema(json_schema_text(spec), any_whitespace=free, strict_mode=True,
+                                                max_whitespace_cnt=MAX_WHITESPACE_RUN if free else None)
+        if kind == "json_object":
+            return compiler.compile_builtin_json_grammar()
+        if kind == "regex":
+            return compiler.compile_regex(spec.regex)
+        if kind == "choice":
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+            return compiler.compile_grammar(f"root ::= {alternatives}")
+        if kind == "grammar":
+            return compiler.compile_grammar(spec.grammar)
+        if kind == "structural_tag":
+            return compiler.compile_structural_tag(structural_tag.to_xgrammar(spec.structural_tag))
+        raise ValueError(f"unknown structured output kind {kind}")
+
+
+class LLGuidanceBackend:
+    """Compiles json schemas, regexes, grammars (GBNF or Lark) and legacy structural tags with llguidance.
+    A spec is compiled once into a template matcher; each sample gets a deep copy (cheaper than building
+    one)."""
+
+    name = "llguidance"
+    kinds = ("json", "regex", "grammar", "structural_tag")  # structural tags: the legacy form only
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        import llguidance.hf
+
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                       eos_token=list(eos_token_ids) or None)
+
+    def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        """ValueError (llguidance's message) when llguidance cannot compile the spec."""
+        import llguidance
+
+        template = llguidance.LLMatcher(self._tokenizer, self._grammar(spec), log_level=0)
+        if template.is_error():
+            raise ValueError(template.get_error())
+        return CompiledGrammar(self.name, lambda: LLGuidanceMatcher(template.deep_copy()))
+
+    @staticmethod
+    def _grammar(spec: StructuredOutputsParams) -> str:
+        import llguidance
+
+        if spec.kind == "json":
+            # Free whitespace between tokens only where the spec allows it, as xgrammar's any_whitespace.
+            flexible = not spec.disable_any_whitespace
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                json_schema_text(spec), overrides={"whitespace_flexible": flexible})
+        if spec.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        if spec.kind == "grammar":
+            return llguidance.grammar_from("grammar", spec.grammar)  # GBNF converted to Lark, or Lark as is
+        if spec.kind == "structural_tag":
+            return _llguidance_structural_tag(spec.structural_tag)
+        raise ValueError(f"llguidance is not used for {spec.kind}")
+
+
+def _llguidance_structural_tag(tag: dict) -> str:
+    """llguidance's grammar for a legacy structural tag: each structure triggered by the longest trigger
+    that begins it (free text around the tags, as in xgrammar). Triggers are taken as plain text, not
+    as special tokens (assume_special=False): "<tool_call>" is ordinary text for most tokenizers."""
+    from llguidance import StructTag
+
+    if "format" in tag:
+        raise ValueError("llguidance takes only the legacy structural tag form (structures and triggers)")
+    tags = []
+    for item in tag["structures"]:
+        trigger = max((t for t in tag["triggers"] if item["begin"].startswith(t)), key=len)
+        schema = item["schema"] if isinstance(item["schema"], dict) else json.loads(item["schema"])
+        tags.append(StructTag(trigger=trigger, begin=item["begin"], grammar=schema, end=item["end"]))
+    return StructTag.to_grammar(tags, assume_special=False)
+
+
+class LLGuidanceMatcher:
+    """llguidance's LLMatcher behind xgrammar's GrammarMatcher interface (see the module docstring)."""
+
+    def __init__(self, matcher):
+        self._matcher = matcher
+
+    def accept_token(self, token: int) -> bool:
+        return self._matcher.consume_token(token)
+
+    def is_terminated(self) -> bool:
+        """Stopped (its EOS consumed, or nothing can follow) or in error (a refused token): no more masks."""
+        return self._matcher.is_stopped() or self._matcher.is_error()
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the row in place. (llguidance.torch has the same helper, but importing it builds a
+        torch.compile kernel, which is slow and not needed here.)"""
+        words = bitmask[row]
+        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not words.is_contiguous():
+            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._matcher.get_error() if self._matcher.is_error() else None

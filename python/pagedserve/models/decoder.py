@@ -1,0 +1,273 @@
+"""The generic decoder: attention + gated MLP layers, parameterised by a family's DecoderSpec.
+
+Every dense family is this module plus a few choices (DecoderSpec) and its checkpoint
+names (``packed_modules``); the per-model numbers (biases, window, softcap, scales,
+multipliers, rope) come from ModelConfig. The forward takes a flat batch of T tokens
+from any mix of sequences (prefill chunks and decodes) and keeps all per-step shape
+information in AttentionMetadata, so it has no Python branches on tensor values.
+
+The residual stream follows the fused-add pattern: a layer returns (pending, residual)
+where the stream is residual + pending, and the next norm adds and normalises in one
+pass. Norm placements:
+  "pre"       x += attn(norm(x)); x += mlp(norm(x))                        (Llama)
+  "sandwich"  x += post_norm(attn(norm(x))); x += post_norm(mlp(norm(x)))  (Gemma 2/3)
+  "post"      x += post_norm(attn(x)); x += post_norm(mlp(x))              (OLMo2)
+  "parallel"  x += attn(norm(x)) + mlp(norm(x)), one norm                   (Phi-2)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve import ops
+from pagedserve.models.attention_metadata import AttentionMetadata
+from pagedserve.models.families import SLIDING
+from pagedserve.models.layers import (Embedding, LayerNorm, Linear, PagedAttention, RMSNorm, RotaryEmbedding,
+                                      activation, activation_and_mul)
+from pagedserve.models.model_config import ModelConfig
+from pagedserve.models.moe import SparseMoeBlock
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    norm_offset: float = 0.0  # Gemma: norms scale by (1 + weight)
+    placement: str = "pre"  # "pre" | "sandwich" | "post"
+    qk_norm_per_head: bool = True  # False: OLMo2 normalises q and k over the whole projection
+    embed_scale_sqrt_hidden: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    layer_norm: bool = False  # Phi-2: LayerNorm with bias instead of RMSNorm
+    dense_mlp: bool = False  # Phi-2: fc2(act(fc1(x))) with biases instead of the gated MLP
+    lm_head_bias: bool = False
+
+
+def make_norm(config: ModelConfig, spec: DecoderSpec, size: int, dtype: torch.dtype,
+              device: torch.device) -> nn.Module:
+    if spec.layer_norm:
+        return LayerNorm(size, config.rms_norm_eps, dtype, device)
+    return RMSNorm(size, config.rms_norm_eps, dtype, device, spec.norm_offset)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: DecoderSpec, layer: int, rotary: Optional[RotaryEmbedding],
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.qkv_proj = Linear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size), config.qkv_bias,
+                               dtype, device)
+        self.o_proj = Linear(self.q_size, (config.hidden_size,), config.o_bias, dtype, device)
+        self.q_norm: Optional[RMSNorm] = None
+        self.k_norm: Optional[RMSNorm] = None
+        self.qk_norm_per_head = spec.qk_norm_per_head
+        if config.qk_norm:
+            q_size, k_size = (self.head_dim, self.head_dim) if spec.qk_norm_per_head else (self.q_size, self.kv_size)
+            self.q_norm = RMSNorm(q_size, config.rms_norm_eps, dtype, device, spec.norm_offset)
+            self.k_norm = RMSNorm(k_size, config.rms_norm_eps, dtype, device, spec.norm_offset)
+        self.rotary = rotary  # shared by the layers of one rope: one cos/sin table; None: no rope (SmolLM3)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=config.attention_scale,
+                                   window=config.layer_window(layer), softcap=config.attn_logit_softcap)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, layer_kv_cache: torch.Tensor,
+                attn: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        query = self._heads(q, self.num_heads, self.q_norm)
+        key = self._heads(k, self.num_kv_heads, self.k_norm)
+        value = v.contiguous().view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            self.rotary(self.rotary.table_positions(positions, attn), query, key)
+        out = self.attn(query, key, value, layer_kv_cache, attn)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _heads(self, x: torch.Tensor, num_heads: int, norm: Optional[RMSNorm]) -> torch.Tensor:
+        """A contiguous [T, heads, D] copy of a column slice of qkv, normalised when the model says so."""
+        rows = x.contiguous()
+        if norm is not None:
+            rows = norm(rows.view(-1, self.head_dim) if self.qk_norm_per_head else rows)
+        return rows.view(x.shape[0], num_heads, self.head_dim)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, (size, size), config.mlp_bias, dtype, device)
+        self.down_proj = Linear(size, (config.hidden_size,), config.mlp_bias, dtype, device)
+        self.act = activation_and_mul(config.hidden_act)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+
+
+class DenseMLP(nn.Module):
+    """Phi-2's MLP: fc2(act(fc1(x))), both with biases."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.fc1 = Linear(config.hidden_size, (config.intermediate_size,), True, dtype, device)
+        self.fc2 = Linear(config.intermediate_size, (config.hidden_size,), True, dtype, device)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(hidden)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, spec: DecoderSpec, layer: int, rotary: Optional[RotaryEmbedding],
+                 dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.placement = spec.placement
+        self.residual_multiplier = config.residual_multiplier
+        self.self_attn = Attention(config, spec, layer, rotary, dtype, device)
+        sparse = config.moe is not None and config.moe.is_sparse(layer)
+        dense: nn.Module = DenseMLP(config, dtype, device) if spec.dense_mlp else MLP(config, dtype, device)
+        self.mlp: nn.Module = (SparseMoeBlock.from_config(config.moe, config.hidden_size, dtype, device) if sparse
+                               else dense)
+
+        def norm() -> nn.Module:
+            return make_norm(config, spec, config.hidden_size, dtype, device)
+
+        if spec.placement != "post":
+            self.input_layernorm = norm()
+        if spec.placement != "parallel":
+            self.post_attention_layernorm = norm()
+        if spec.placement == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if spec.placement in ("sandwich", "post"):
+            self.post_feedforward_layernorm = norm()
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor],
+                layer_kv_cache: torch.Tensor, attn: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pending, residual) in, the same out: the stream is residual + pending (residual None: hidden)."""
+        if self.placement == "post":
+            return self._post_norm_forward(positions, hidden, residual, layer_kv_cache, attn)
+        if self.placement == "parallel":
+            stream = hidden if residual is None else residual.add_(hidden)
+            normed = self.input_layernorm(stream)
+            return self.self_attn(positions, normed, layer_kv_cache, attn) + self.mlp(normed), stream
+        if residual is None:  # first layer: the embeddings are the residual
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self._scaled(self.self_attn(positions, hidden, layer_kv_cache, attn))
+        if self.placement == "sandwich":
+            hidden = self.post_attention_layernorm(hidden)
+            hidden = self.pre_feedforward_layernorm.add_and_norm(hidden, residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        hidden = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self._scaled(self.mlp(hidden)), residual
+
+    def _post_norm_forward(self, positions, hidden, residual, layer_kv_cache, attn):
+        stream = hidden if residual is None else residual.add_(hidden)
+        stream = stream + self.post_attention_layernorm(self.self_attn(positions, stream, layer_kv_cache, attn))
+        return self.post_feedforward_layernorm(self.mlp(stream)), stream
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.residual_multiplier == 1.0 else x.mul_(self.residual_multiplier)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, spec: DecoderSpec, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_scale = config.embedding_multiplier
+        if spec.embed_scale_sqrt_hidden:  # transformers rounds sqrt(hidden) to the model dtype first
+            self.embed_scale *= torch.tensor(math.sqrt(config.hidden_size), dtype=dtype).item()
+
+        def rotary(theta: float, scaling: Optional[dict]) -> RotaryEmbedding:
+            return RotaryEmbedding(config.rotary_dim, config.head_dim, config.max_position_embeddings, theta,
+                                   scaling, device)
+
+        self.rotary = rotary(config.rope_theta, config.rope_scaling)
+        self.sliding_rotary = rotary(*config.sliding_rope) if config.sliding_rope is not None else self.rotary
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, spec, i, self._layer_rotary(config, i), dtype, device)
+            for i in range(config.num_layers))
+        self.norm = make_norm(config, spec, config.hidden_size, dtype, device)
+
+    def _layer_rotary(self, config: ModelConfig, layer: int) -> Optional[RotaryEmbedding]:
+        if not config.layer_uses_rope(layer):
+            return None
+        return self.sliding_rotary if config.layer_type(layer) == SLIDING else self.rotary
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:
+            hidden = hidden * self.embed_scale
+        residual: Optional[torch.Tensor] = None
+        for index, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, kv_cache[index], attn)
+        assert residual is not None  # there is at least one layer
+        return self.norm.add_and_norm(hidden, residual)
+
+
+class DecoderForCausalLM(nn.Module):
+    """The runner's entry point: forward -> final hidden states, compute_logits -> logits.
+
+    A family subclasses it, setting ``spec`` and (when its checkpoint names differ) ``packed_modules``.
+    """
+
+    spec = DecoderSpec()
+    # Checkpoint tensors merged into one parameter at load time (see pagedserve.models.weights).
+    packed_modules: dict[str, tuple[str, ...]] = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
+
+    def __init__(self, config: ModelConfig, device: Optional[torch.device] = None):
+        super().__init__()
+        self.config = config
+        device = torch.device(device) if device is not None else config.device
+        self.model = DecoderModel(config, self.spec, config.dtype, device)
+        self.lm_head: Optional[Linear] = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, (config.vocab_size,), self.spec.lm_head_bias, config.dtype,
+                                  device)
+        self.packed_lm_head: Optional[torch.Tensor] = None  # bf16 tiles of lm_head_weight() (CPU packing)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The [vocab, hidden] matrix of the logits: the embeddings when they are tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def lm_head_bias(self) -> Optional[torch.Tensor]:
+        return None if self.lm_head is None else self.lm_head.bias
+
+    def pack_lm_head(self) -> None:
+        """Computes logits from bf16 tiles (the embedding table stays as it is for lookups)."""
+        self.packed_lm_head = ops.pack_linear_weight(self.lm_head_weight())
+        if self.lm_head is not None:
+            self.lm_head.weight = None
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [layers, 2, blocks, kv heads, block size, D] -> hidden [T, H]."""
+        if kv_cache.shape[0] != self.config.num_layers:
+            raise ValueError(f"kv_cache has {kv_cache.shape[0]} layers, the model {self.config.num_layers}")
+        return self.model(input_ids, positions.to(torch.int32), attn, kv_cache)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, H] -> logits [R, vocab] in the model's dtype (the sampler upcasts if it must)."""
+        if self.packed_lm_head is not None:
+            logits = torch.empty(hidden.shape[0], self.config.vocab_size, dtype=hidden.dtype)
+            ops.packed_linear(logits, hidden, self.packed_lm_head, self.lm_head_bias())
+        else:
+            logits = F.linear(hidden, self.lm_head_weight(), self.lm_head_bias())
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
+        if self.config.final_logit_softcap:  # Gemma 2
+            cap = self.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,129 @@
+"""llguidance as the fallback grammar backend: used only where xgrammar refuses a json schema, regex or
+grammar; its matcher fills the same bitmask as xgrammar's; a spec both refuse is a RequestError naming
+both problems. End to end on the default model (CPU); outputs checked by jsonschema and `regex`."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import regex
+import torch
+
+from pagedserve import LLM, SamplingParams, StructuredOutputsParams
+from pagedserve.errors import RequestError
+
+# xgrammar 0.2.8 refuses both features: a JSON pointer with an escaped "/" (~1) and integer bounds that
+# are not whole numbers; both are valid JSON Schema, which jsonschema checks independently.
+FALLBACK_SCHEMA = {
+    "type": "object",
+    "properties": {"unit": {"$ref": "#/$defs/temperature~1unit"},
+                   "count": {"type": "integer", "minimum": 0.5, "maximum": 9.5}},
+    "required": ["unit", "count"], "additionalProperties": False,
+    "$defs": {"temperature/unit": {"enum": ["celsius", "fahrenheit"]}},
+}
+UNICODE_REGEX = r"\p{Lu}\p{Ll}{2,8}"  # Unicode classes: xgrammar refuses them
+PLAIN_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_path):
+    return LLM(str(default_model_path), dtype="float32", device="cpu", seed=0, max_model_len=1024)
+
+
+def _backend(llm, **spec) -> str:
+    return llm.llm_engine.grammars.compile(StructuredOutputsParams(**spec)).backend
+
+
+def test_xgrammar_stays_the_backend_where_it_compiles(llm):
+    assert _backend(llm, json=PLAIN_SCHEMA) == "xgrammar"
+    assert _backend(llm, regex="[a-z]+") == "xgrammar"
+    assert _backend(llm, grammar='root ::= "a" | "b"') == "xgrammar"
+    assert _backend(llm, choice=["x", "y"]) == "xgrammar"
+    assert _backend(llm, json_object=True) == "xgrammar"
+
+
+def test_llguidance_compiles_what_xgrammar_refuses(llm, caplog):
+    grammars = llm.llm_engine.grammars
+    with pytest.raises(Exception):
+        grammars._xgrammar_backend().compile(StructuredOutputsParams(json=FALLBACK_SCHEMA))
+    with caplog.at_level("INFO", logger="pagedserve"):
+        assert _backend(llm, json=json.dumps(FALLBACK_SCHEMA), disable_any_whitespace=True) == "llguidance"
+        assert _backend(llm, regex=UNICODE_REGEX) == "llguidance"
+    assert "llguidance compiled it" in caplog.text
+
+
+def test_fallback_schema_generates_valid_json(llm):
+    so = StructuredOutputsParams(json=FALLBACK_SCHEMA, disable_any_whitespace=True)
+    outs = llm.generate(["Answer with JSON only. How many?\n"] * 2,
+                        [SamplingParams(structured_outputs=so, max_tokens=48, temperature=0.0),
+                         SamplingParams(structured_outputs=so, max_tokens=48, temperature=0.9, seed=2, n=2)],
+                        use_tqdm=False)
+    for out in outs:
+        for c in out.outputs:
+            assert c.finish_reason == "stop", c.text
+            jsonschema.validate(json.loads(c.text), FALLBACK_SCHEMA)
+
+
+def test_fallback_regex_generates_matching_text(llm):
+    so = StructuredOutputsParams(regex=UNICODE_REGEX)
+    out = llm.generate(["The capital of France is"], SamplingParams(structured_outputs=so, max_tokens=24,
+                                                                      temperature=0.0), use_tqdm=False)[0]
+    for c in out.outputs:
+        assert c.finish_reason == "stop" and regex.fullmatch(UNICODE_REGEX, c.text), c.text
+
+
+def test_mixed_backends_in_one_batch(llm):
+    """Rows of both backends share the step's bitmask; each row gets its own grammar."""
+    specs = [StructuredOutputsParams(json=PLAIN_SCHEMA, disable_any_whitespace=True),
+             StructuredOutputsParams(json=FALLBACK_SCHEMA, disable_any_whitespace=True)]
+    outs = llm.generate(["Answer with JSON only:\n"] * 2,
+                        [SamplingParams(structured_outputs=s, max_tokens=48, temperature=0.0) for s in specs],
+                        use_tqdm=False)
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), PLAIN_SCHEMA)
+    jsonschema.validate(json.loads(outs[1].outputs[0].text), FALLBACK_SCHEMA)
+
+
+def test_both_refusing_is_a_request_error_naming_both(llm):
+    cases = [(StructuredOutputsParams(json={"type": "integer", "minimum": 5, "maximum": 3}), "minimum"),
+             (StructuredOutputsParams(regex="(unclosed"), "not closed"),
+             (StructuredOutputsParams(grammar="root ::= missing_rule"), "missing_rule")]
+    for so, problem in cases:
+        with pytest.raises(RequestError) as err:
+            llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
+        message = str(err.value)
+        assert (err.value.field, err.value.code) == ("structured_outputs", "invalid_grammar")
+        assert f"the {'json schema' if so.kind == 'json' else so.kind} cannot be compiled: xgrammar: " in message
+        assert problem in message.split("; llguidance:")[0] and "; llguidance: " in message, message
+        assert "/project/cpp" not in message  # xgrammar's source location is dropped
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def _allowed(bitmask: torch.Tensor, row: int, vocab: int) -> set[int]:
+    words = bitmask[row].tolist()
+    return {t for t in range(vocab) if (words[t // 32] >> (t % 32)) & 1}
+
+
+def test_llguidance_matcher_fills_xgrammar_layout(llm):
+    """Both backends' matchers, on one spec, allow the same tokens, in the same bitmask rows, through the
+    shared interface (accept_token, is_terminated, fill_next_token_bitmask)."""
+    engine = llm.llm_engine
+    grammars = engine.grammars
+    spec = StructuredOutputsParams(regex=r"(yes|no) [0-9]{2}")
+    xgr_matcher = grammars._xgrammar_backend().compile(spec).new_matcher()
+    llg_matcher = grammars._llguidance_backend().compile(spec).new_matcher()
+    vocab = grammars.vocab_size
+    bitmask = torch.zeros((2, (vocab + 31) // 32), dtype=torch.int32)
+    for token in engine.tokenizer.encode("yes 42", add_special_tokens=False) + [None]:
+        xgr_matcher.fill_next_token_bitmask(bitmask, 0)
+        llg_matcher.fill_next_token_bitmask(bitmask, 1)
+        assert _allowed(bitmask, 0, vocab) == _allowed(bitmask, 1, vocab)
+        if token is not None:
+            assert xgr_matcher.accept_token(token) and llg_matcher.accept_token(token)
+    eos = engine.eos_token_ids[0]
+    assert eos in _allowed(bitmask, 1, vocab)
+    assert llg_matcher.accept_token(eos) and llg_matcher.is_terminated()
+    refused = grammars._llguidance_backend().compile(spec).new_matcher()
+    assert not refused.accept_token(engine.tokenizer.encode("maybe", add_special_tokens=False)[0])
+    assert refused.is_terminated()  # a refused token ends it: the engine ends the sample
