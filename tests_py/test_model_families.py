@@ -263,18 +263,9 @@ def test_prefix_cache_hit(case, whole):
     assert again[0].num_cached_tokens >= 36 and again[1].num_cached_tokens >= 28, \
         [o.num_cached_tokens for o in again]
     check_same_outputs(again[:1], [first[PROMPT_LENGTHS.index(40)]])
-    if case.name not in LONGROPE_CASES:
-        check_against_transformers(case, again)
-        return
-    check_against_transformers(case, again, prompt_logprobs=False)
-    try:
-        check_against_transformers(case, again)
-    except AssertionError as error:
-        # Found by this test: the prompt logprobs of positions the prefix cache supplied are recomputed by
-        # ModelRunner._recompute_hidden with seq_lens = the end of the recomputed slice (28 here), so
-        # RotaryEmbedding.table_positions takes the short rows, where the uncached prefill of the whole
-        # 38-token prompt (total > original_max_position_embeddings) takes the long ones.
-        pytest.xfail(f"engine bug, longrope prompt logprobs of prefix-cached positions: {error}")
+    # Longrope too: the recomputed prefix-cached positions take the rope rows of the whole step's length
+    # (AttentionMetadata.rope_lengths), as the uncached prefill and transformers' forward do.
+    check_against_transformers(case, again)
 
 
 def test_chunked_prefill(case, whole):

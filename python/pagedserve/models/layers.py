@@ -133,7 +133,8 @@ class RotaryEmbedding(nn.Module):
         tokens = torch.arange(positions.shape[0], device=positions.device, dtype=attn.query_start_loc.dtype)
         rows = torch.searchsorted(attn.query_start_loc[1:].contiguous(), tokens, right=True)
         rows = rows.clamp_(max=attn.seq_lens.shape[0] - 1)  # padding tokens past the last row
-        is_long = attn.seq_lens.long()[rows] > self.long_threshold
+        lengths = attn.seq_lens if attn.rope_lengths is None else attn.rope_lengths
+        is_long = lengths.long()[rows] > self.long_threshold
         return (positions.long() + is_long.long() * self.max_position).to(torch.int32)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
