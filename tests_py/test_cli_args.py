@@ -50,7 +50,7 @@ def test_help_shows_defaults_and_choices():
     text = " ".join(engine_parser().format_help().split())
     assert "(default: 16)" in text and "(default: 0.9)" in text and "(default: 20)" in text
     assert "{auto,bfloat16,float16,float32}" in text and "{cuda,cpu}" in text
-    assert "{auto,safetensors,dummy}" in text and "{auto,bfloat16,float32}" in text
+    assert "{auto,safetensors,pt,dummy}" in text and "{auto,bfloat16,float32}" in text
     assert "(default: 256 on CUDA, 64 on CPU)" in text  # a device-dependent default says so
 
 
