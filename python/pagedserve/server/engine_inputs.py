@@ -75,11 +75,12 @@ def check_prompts(prompts: list[dict], params, limits: EngineLimits, prompt_para
 
 
 def sampling_params(body: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int], defaults: dict,
-                    tool_grammar: Optional[dict] = None):
+                    structured):
     """SamplingParams for a body: fields it leaves out take `defaults` (the model's) where
-    MODEL_DEFAULT_FIELDS says so; `tool_grammar` (the structured outputs a chat request's tool_choice
-    needs) replaces the body's own. Raises RequestError naming the field out of range."""
-    from pagedserve.sampling_params import SamplingParams, StructuredOutputsParams
+    MODEL_DEFAULT_FIELDS says so; `structured` is the request's StructuredOutputsParams or None (the
+    body's own, structured_outputs(body), or what a chat request's tool_choice needs). Raises
+    RequestError naming the field out of range."""
+    from pagedserve.sampling_params import SamplingParams
 
     for i, s in enumerate([body.stop] if isinstance(body.stop, str) else body.stop or []):
         checked_text(s, "stop" if isinstance(body.stop, str) else f"stop[{i}]", "stop")
@@ -99,7 +100,7 @@ def sampling_params(body: SamplingFields, max_tokens: Optional[int], logprobs: O
         include_stop_str_in_output=body.include_stop_str_in_output, ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
         logit_bias=body.logit_bias or None, allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
-        structured_outputs=StructuredOutputsParams(**tool_grammar) if tool_grammar else structured_outputs(body))
+        structured_outputs=structured)
 
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",

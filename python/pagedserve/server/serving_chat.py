@@ -12,6 +12,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.server.async_engine import EngineStepError, OutputStream
 from pagedserve.server.chat_choice import ASSISTANT, ChatChoice
 from pagedserve.server.chat_inputs import chat_logprobs, chat_prompt, check_chat_options, choose_template, uses_tools
@@ -34,13 +35,15 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     ctx.check_model(body.model)
     check_chat_options(body)
     template = choose_template(ctx.chat_template, ctx.tokenizer, uses_tools(body))
+    user_spec = structured_outputs(body)
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                       parser_for(ctx.tool_call_parser, ctx.architecture, template.shipped),
-                      user_grammar=structured_outputs(body) is not None)
+                      user_grammar=user_spec is not None)
     prompt = chat_prompt(body, ctx.tokenizer, template, plan.tools if plan else None)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = chat_logprobs(body)
-    params = sampling_params(body, max_tokens, logprobs, ctx.default_sampling, plan.grammar if plan else None)
+    spec = StructuredOutputsParams(**plan.grammar) if plan and plan.grammar else user_spec  # tool_choice's wins
+    params = sampling_params(body, max_tokens, logprobs, ctx.default_sampling, spec)
     check_prompts([prompt], params, ctx.limits, "messages")
     call = _ChatCompletion(ctx, body, prompt, f"chatcmpl-{uuid.uuid4().hex}", logprobs, plan)
     if body.stream:

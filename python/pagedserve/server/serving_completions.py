@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedserve.server.async_engine import EngineStepError, OutputStream
 from pagedserve.server.context import ServerContext
 from pagedserve.server.engine_inputs import (check_completion_options, check_prompts, completion_prompts,
-                                             sampling_params)
+                                             sampling_params, structured_outputs)
 from pagedserve.server.errors import error_body
 from pagedserve.server.logprobs import (CompletionLogprobs, merge_completion_logprobs, prompt_completion_logprobs,
                                         vllm_prompt_logprobs)
@@ -38,7 +38,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest, request
     check_completion_options(body)
     prompts = completion_prompts(body, ctx.tokenizer)
     max_tokens = 1 if body.max_tokens == 0 else body.max_tokens  # 0 (with echo): one token, dropped
-    params = sampling_params(body, max_tokens, body.logprobs, ctx.default_sampling)
+    params = sampling_params(body, max_tokens, body.logprobs, ctx.default_sampling, structured_outputs(body))
     wanted = [k for k in (body.prompt_logprobs, body.logprobs if body.echo else None) if k is not None]
     params.prompt_logprobs = max(wanted) if wanted else None
     check_prompts(prompts, params, ctx.limits)
