@@ -17,4 +17,9 @@ BlockHash hash_block(const BlockHash& parent, std::span<const TokenId> tokens) {
   return BlockHash{mix64(hi ^ len), mix64(lo + len)};
 }
 
+BlockHash salted_root_hash(uint64_t salt) {
+  if (salt == 0) return kRootBlockHash;
+  return BlockHash{mix64(kRootBlockHash.hi ^ salt), mix64(kRootBlockHash.lo + salt * 0x9e3779b97f4a7c15ULL)};
+}
+
 }  // namespace pagedserve

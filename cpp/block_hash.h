@@ -25,6 +25,11 @@ inline constexpr BlockHash kRootBlockHash{0x243f6a8885a308d3ULL, 0x13198a2e03707
 
 BlockHash hash_block(const BlockHash& parent, std::span<const TokenId> tokens);
 
+// The root of a salted chain: sequences whose equal tokens must not share KV
+// (e.g. longrope prompts on either side of the original context, whose keys
+// are rotated differently) hash from different roots. Salt 0 is kRootBlockHash.
+BlockHash salted_root_hash(uint64_t salt);
+
 struct BlockHashHasher {
   size_t operator()(const BlockHash& h) const noexcept { return static_cast<size_t>(h.lo ^ (h.hi >> 1)); }
 };

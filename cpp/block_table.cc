@@ -11,7 +11,8 @@ BlockTable::BlockTable(BlockTable&& other) noexcept
     : pool_(other.pool_),
       blocks_(std::move(other.blocks_)),
       hashes_(std::move(other.hashes_)),
-      num_dropped_(other.num_dropped_) {
+      num_dropped_(other.num_dropped_),
+      root_(other.root_) {
   other.blocks_.clear();
   other.hashes_.clear();
   other.num_dropped_ = 0;
@@ -24,6 +25,7 @@ BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
     blocks_ = std::move(other.blocks_);
     hashes_ = std::move(other.hashes_);
     num_dropped_ = other.num_dropped_;
+    root_ = other.root_;
     other.blocks_.clear();
     other.hashes_.clear();
     other.num_dropped_ = 0;
@@ -31,12 +33,12 @@ BlockTable& BlockTable::operator=(BlockTable&& other) noexcept {
   return *this;
 }
 
-PrefixMatch BlockTable::find_prefix(const BlockPool& pool, std::span<const TokenId> tokens) {
+PrefixMatch BlockTable::find_prefix(const BlockPool& pool, std::span<const TokenId> tokens, const BlockHash& root) {
   PrefixMatch match;
   if (!pool.prefix_caching_enabled() || tokens.empty()) return match;
   const auto bs = static_cast<size_t>(pool.block_size());
   const size_t max_blocks = (tokens.size() - 1) / bs;
-  BlockHash parent = kRootBlockHash;
+  BlockHash parent = root;
   for (size_t i = 0; i < max_blocks; ++i) {
     auto block_tokens = tokens.subspan(i * bs, bs);
     const BlockHash hash = hash_block(parent, block_tokens);
@@ -106,6 +108,7 @@ BlockTable BlockTable::fork() const {
   child.blocks_ = blocks_;
   child.hashes_ = hashes_;
   child.num_dropped_ = num_dropped_;
+  child.root_ = root_;
   return child;
 }
 
@@ -115,7 +118,7 @@ void BlockTable::register_full_blocks(std::span<const TokenId> tokens, int32_t n
   const size_t full = std::min(static_cast<size_t>(num_computed) / bs, blocks_.size());
   for (size_t i = hashes_.size(); i < full; ++i) {
     auto block_tokens = tokens.subspan(i * bs, bs);
-    const BlockHash parent = i == 0 ? kRootBlockHash : hashes_[i - 1];
+    const BlockHash parent = i == 0 ? root_ : hashes_[i - 1];
     hashes_.push_back(hash_block(parent, block_tokens));
     if (blocks_[i] != kDroppedBlock) pool_->register_block(blocks_[i], hashes_.back(), block_tokens);
   }

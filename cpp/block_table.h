@@ -65,7 +65,12 @@ class BlockTable {
   // Cached blocks for the longest full-block prefix of `tokens`, leaving at
   // least one token uncomputed (the forward must produce its logits).
   // Changes nothing in the pool.
-  static PrefixMatch find_prefix(const BlockPool& pool, std::span<const TokenId> tokens);
+  // `root`: the chain's first parent (salted_root_hash of the sequence's salt).
+  static PrefixMatch find_prefix(const BlockPool& pool, std::span<const TokenId> tokens,
+                                 const BlockHash& root = kRootBlockHash);
+  // The root the table's full blocks are registered under; set before any is.
+  void set_root_hash(const BlockHash& root) { root_ = root; }
+  const BlockHash& root_hash() const { return root_; }
   // Takes a reference on each matched block and counts the lookup in the
   // pool's prefix-cache counters. The table must be empty.
   void adopt_prefix(const PrefixMatch& match);
@@ -97,6 +102,7 @@ class BlockTable {
   std::vector<BlockId> blocks_;
   std::vector<BlockHash> hashes_;  // hashes_[i] of full block i, for i < hashes_.size()
   int32_t num_dropped_ = 0;        // blocks_[0, num_dropped_) are kDroppedBlock
+  BlockHash root_ = kRootBlockHash;
 };
 
 }  // namespace pagedserve

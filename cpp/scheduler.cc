@@ -32,7 +32,8 @@ Scheduler::Scheduler(SchedulerConfig config)
       pool_(config_.num_blocks, config_.block_size, config_.enable_prefix_caching),
       watermark_blocks_(static_cast<int32_t>(std::ceil(config_.watermark * config_.num_blocks))) {}
 
-SeqId Scheduler::add_sequence(std::span<const TokenId> prompt, StopParams params, bool use_prefix_cache) {
+SeqId Scheduler::add_sequence(std::span<const TokenId> prompt, StopParams params, bool use_prefix_cache,
+                              uint64_t cache_salt) {
   if (prompt.empty()) throw std::invalid_argument("the prompt is empty");
   if (std::any_of(prompt.begin(), prompt.end(), [](TokenId t) { return t < 0; }))
     throw std::invalid_argument("the prompt has a negative token id");
@@ -44,6 +45,7 @@ SeqId Scheduler::add_sequence(std::span<const TokenId> prompt, StopParams params
                                         pool_);
   seq->forked = seq->params.n == 1;
   seq->use_prefix_cache = use_prefix_cache;
+  seq->table.set_root_hash(salted_root_hash(cache_salt));
   waiting_.push_back(seq.get());
   sequences_.emplace(id, std::move(seq));
   return id;
@@ -101,7 +103,8 @@ void Scheduler::admit_waiting(StepOutput& out, int32_t& budget) {
       continue;
     }
     if (slots + seq.batch_slots() > config_.max_num_seqs) break;
-    const PrefixMatch match = seq.use_prefix_cache ? BlockTable::find_prefix(pool_, seq.tokens) : PrefixMatch{};
+    const PrefixMatch match = seq.use_prefix_cache ? BlockTable::find_prefix(pool_, seq.tokens, seq.table.root_hash())
+                                                   : PrefixMatch{};
     const int32_t begin = match.num_tokens(config_.block_size);
     int32_t count = std::min(seq.num_tokens() - begin, budget);
     const auto matched = static_cast<int32_t>(match.blocks.size());
@@ -342,6 +345,7 @@ void Scheduler::build_arrays(StepOutput& out) {
   out.slot_mapping.reserve(static_cast<size_t>(num_tokens));
   out.query_start_loc.reserve(static_cast<size_t>(num_seqs) + 1);
   out.seq_lens.reserve(static_cast<size_t>(num_seqs));
+  out.prompt_lens.reserve(static_cast<size_t>(num_seqs));
   out.block_tables.assign(static_cast<size_t>(num_seqs) * static_cast<size_t>(max_blocks), kPadBlock);
   out.query_start_loc.push_back(0);
   int32_t row = 0;
@@ -356,6 +360,7 @@ void Scheduler::build_arrays(StepOutput& out) {
     }
     out.query_start_loc.push_back(static_cast<int32_t>(out.input_ids.size()));
     out.seq_lens.push_back(end);
+    out.prompt_lens.push_back(seq->num_prompt_tokens);
     const auto blocks = seq->table.blocks();
     std::copy(blocks.begin(), blocks.end(),
               out.block_tables.begin() + static_cast<std::ptrdiff_t>(row) * max_blocks);

@@ -74,7 +74,9 @@ class Scheduler {
   // use_prefix_cache=false computes the whole prompt even where the prefix cache
   // holds it (a request that needs every prompt position's output, e.g. prompt
   // logprobs, on a model whose freed window blocks cannot be read back).
-  SeqId add_sequence(std::span<const TokenId> prompt, StopParams params, bool use_prefix_cache = true);
+  // cache_salt: only sequences with the same salt share cached blocks (block_hash.h).
+  SeqId add_sequence(std::span<const TokenId> prompt, StopParams params, bool use_prefix_cache = true,
+                     uint64_t cache_salt = 0);
 
   // Builds the next step. Throws std::logic_error if the previous step's
   // update() has not been called.

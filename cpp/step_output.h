@@ -45,6 +45,7 @@ struct StepOutput {
   std::vector<int32_t> slot_mapping;        // [num_tokens] block * block_size + offset
   std::vector<int32_t> query_start_loc;     // [num_seqs + 1]
   std::vector<int32_t> seq_lens;            // [num_seqs] context length including this step's tokens
+  std::vector<int32_t> prompt_lens;         // [num_seqs] the sequence's prompt length (length-dependent rope)
   std::vector<int32_t> block_tables;        // [num_seqs, max_blocks_per_seq] padded with kPadBlock;
                                             // -1 (kDroppedBlock) before a sliding window (block_table.h)
 

@@ -332,6 +332,24 @@ TEST(Scheduler, ParallelSamplingForksAfterPrefillAndCopiesOnWrite) {
   s.pool().check_invariants();
 }
 
+TEST(Scheduler, PrefixCacheSharesBlocksOnlyWithinOneSalt) {
+  Scheduler s(small_config(16));
+  auto with_suffix = [](TokenId t) {
+    auto p = prompt_of(12);
+    p.push_back(t);
+    return p;
+  };
+  s.add_sequence(with_suffix(1), max_tokens(1), true, /*cache_salt=*/1);
+  step(s);
+  s.add_sequence(with_suffix(2), max_tokens(1));  // salt 0: the salt-1 blocks are not its prefix
+  EXPECT_EQ(step(s)->num_tokens, 13);
+  s.add_sequence(with_suffix(3), max_tokens(1), true, 1);
+  EXPECT_EQ(step(s)->num_tokens, 1) << "the same salt shares the 12 cached tokens";
+  s.add_sequence(with_suffix(4), max_tokens(1));
+  EXPECT_EQ(step(s)->num_tokens, 1) << "salt 0 shares the blocks salt 0 registered";
+  EXPECT_EQ(s.pool().num_used(), 0);
+}
+
 TEST(Scheduler, PrefixCacheServesLaterRequestsAfterTheFirstFinished) {
   Scheduler s(small_config(16));
   const auto system_prompt = prompt_of(12);

@@ -13,10 +13,9 @@ configuration, several checks per engine:
   chunked         a 8-token step budget: prompts prefilled in chunks of at most 8, then decoded.
   preemption      a KV pool too small for three concurrent long requests: they are preempted and recomputed;
                   outputs equal the unpreempted run's and transformers'.
-  longrope        Llama: sequences cross original_max_position_embeddings while decoding, as generate() sees
-                  them. Phi-3 cannot (its generate() recomputes the whole cache at the crossing; see
-                  pagedserve/models/rope.py): skipped with that reason, its long factors tested on prompts
-                  longer than the limit instead.
+  longrope        sequences crossing original_max_position_embeddings while decoding, prompts longer than it
+                  (whole and chunked), and the prefix cache across it; Phi-3 against its cached forward
+                  (its generate() recomputes the cache at the crossing, see pagedserve/models/rope.py).
 
 The README's table of supported architectures is checked against the model registry and these cases.
 """
@@ -263,17 +262,14 @@ def test_prefix_cache_hit(case, whole):
     assert again[0].num_cached_tokens >= 36 and again[1].num_cached_tokens >= 28, \
         [o.num_cached_tokens for o in again]
     check_same_outputs(again[:1], [first[PROMPT_LENGTHS.index(40)]])
-    # Longrope too: the recomputed prefix-cached positions take the rope rows of the whole step's length
-    # (AttentionMetadata.rope_lengths), as the uncached prefill and transformers' forward do.
+    # Longrope too: the recomputed prefix-cached positions take the rope rows of the whole prompt's length
+    # (AttentionMetadata.prompt_lens), as the uncached prefill and transformers' forward do.
     check_against_transformers(case, again)
 
 
 def test_chunked_prefill(case, whole):
-    batch = prompts()
-    if case.name in LONGROPE_CASES:
-        # pagedserve/models/rope.py: a prompt longer than original_max_position_embeddings, prefilled in chunks,
-        # keeps its earlier chunks' keys short where transformers' one forward makes all of them long.
-        batch = [p for p in batch if len(p) <= LONGROPE_CASES[case.name]]
+    batch = prompts()  # with longrope (Llama's ORIGINAL 32) prompts of 36 to 45 tokens: every chunk takes the long
+    # rows, as transformers' one forward over the prompt does (AttentionMetadata.prompt_lens)
     llm = make_llm(case.path, block_size=16, max_num_batched_tokens=CHUNK_BUDGET, enable_prefix_caching=False)
     steps = [0]
     step = llm.llm_engine.step
@@ -307,26 +303,55 @@ def test_forced_preemption(case, whole):
     check_against_transformers(case, outs)
 
 
+def hf_cached_greedy(hf_model, prompt: list[int], num_tokens: int = NEW_TOKENS) -> Reference:
+    """transformers' greedy decode through its model forward and a DynamicCache, one token a step: each step's
+    rope follows that forward's own length rule, with none of a generate() override's extras (Phi-3's
+    prepare_inputs_for_generation drops the cache where a sequence first exceeds the original length)."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf_model(ids, past_key_values=DynamicCache(config=hf_model.config), use_cache=True)
+        prompt_lp = out.logits[0, :-1].float().log_softmax(-1)
+        tokens, steps = [], []
+        for i in range(num_tokens):
+            steps.append(out.logits[0, -1].float().log_softmax(-1))
+            choice = steps[-1].clone()
+            choice[COMMON["eos_token_id"]] = -float("inf")  # generate()'s min_new_tokens: EOS is never chosen
+            tokens.append(int(choice.argmax()))
+            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True,
+                           position_ids=torch.tensor([[len(prompt) + i]]))
+    return Reference(tokens, prompt_lp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)],
+                     torch.stack(steps))
+
+
 @pytest.mark.parametrize("name", list(LONGROPE_CASES))
-def test_longrope_crossing_original_length(name, tmp_path):
-    """A sequence crossing original_max_position_embeddings while decoding: the new tokens take the long
-    factors (transformers' rule, by total length), the cached ones stay short; token-identical to generate().
-    The whole-prefill test runs such crossings for Llama (prompts of 1 to 23 tokens, ORIGINAL = 32)."""
+def test_longrope_across_original_length(name, tmp_path):
+    """Longrope on both sides of original_max_position_embeddings, against transformers:
+    - prompts that cross it while decoding: new tokens take the long factors, cached ones stay short (the
+      rule of transformers' cached forward; for Phi-3 whose generate() recomputes its cache at the crossing,
+      compared with that forward one step at a time, hf_cached_greedy);
+    - a prompt longer than the limit, whole and prefilled in chunks of 8: every position long;
+    - the prefix cache never hands a long prompt's blocks to a short prompt sharing its tokens (salted hash)."""
     original = LONGROPE_CASES[name]
-    if name.startswith("phi"):
-        # Asserted here, and the item skipped: its long factors on prompts longer than the limit.
-        hf_model = hf_family_model(name)
-        hf_model.save_pretrained(tmp_path)
-        case = Case(name, hf_model, tmp_path)
-        generator = torch.Generator().manual_seed(5)
-        long_prompt = torch.randint(0, 256, (original + 5,), generator=generator).tolist()
-        check_against_transformers(case, run(make_llm(tmp_path), [long_prompt]))
-        pytest.skip("Phi-3 cannot match generate() across original_max_position_embeddings: "
-                    "Phi3ForCausalLM.prepare_inputs_for_generation drops its cache at the crossing and recomputes "
-                    "every position with the long factors, which a paged cache does not (pagedserve/models/rope.py); "
-                    "its long factors were checked on a prompt longer than the limit instead")
-    crossing = [p for p in prompts() if len(p) <= original < len(p) + NEW_TOKENS]
-    assert len(crossing) >= 3, "the whole-prefill batch has prompts crossing the limit while decoding"
+    hf_model = hf_family_model(name)
+    hf_model.save_pretrained(tmp_path)
+    case = Case(name, hf_model, tmp_path)
+    generator = torch.Generator().manual_seed(5)
+    long_prompt = torch.randint(0, 256, (original + 5,), generator=generator).tolist()
+    crossing = [long_prompt[:original - 10], long_prompt[:original - 1], long_prompt[:original]]
+    for prompt in crossing:
+        case._references[tuple(prompt)] = hf_cached_greedy(hf_model, prompt)
+    check_against_transformers(case, run(make_llm(tmp_path), crossing + [long_prompt]))
+    chunked = make_llm(tmp_path, block_size=16, max_num_batched_tokens=CHUNK_BUDGET, enable_prefix_caching=False)
+    check_against_transformers(case, run(chunked, [long_prompt, crossing[0]], CHUNKED_TOKENS))
+    cached = make_llm(tmp_path)
+    run(cached, [long_prompt], 1)
+    short = run(cached, [crossing[1]], 4)  # shares the long prompt's first blocks token for token
+    assert short[0].num_cached_tokens == 0, "a long prompt's (long-rope) blocks served a short prompt"
+    again = run(cached, [long_prompt[:-1]], 4)
+    assert again[0].num_cached_tokens > 0, "long prompts share their blocks with each other"
+    check_against_transformers(case, short + again)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "phi4_mini_partial_longrope", "olmo2", "granite", "phi2_parallel_partial"])

@@ -127,6 +127,7 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("slot_mapping", &step_array<&StepOutput::slot_mapping>)
       .def_property_readonly("query_start_loc", &step_array<&StepOutput::query_start_loc>)
       .def_property_readonly("seq_lens", &step_array<&StepOutput::seq_lens>)
+      .def_property_readonly("prompt_lens", &step_array<&StepOutput::prompt_lens>)
       .def_property_readonly("sample_rows", &step_array<&StepOutput::sample_rows>)
       .def_property_readonly("logits_indices", &step_array<&StepOutput::logits_indices>)
       .def_property_readonly("num_samples", &step_array<&StepOutput::num_samples>)
@@ -151,14 +152,14 @@ void bind_scheduler(py::module_& m) {
           "add_sequence",
           [](Scheduler& s, const py::array_t<TokenId, py::array::c_style | py::array::forcecast>& prompt,
              int32_t max_tokens, int32_t min_tokens, bool ignore_eos, std::vector<TokenId> stop_token_ids, int32_t n,
-             bool use_prefix_cache) {
+             bool use_prefix_cache, uint64_t cache_salt) {
             return s.add_sequence(as_tokens(prompt),
                                   StopParams{max_tokens, min_tokens, ignore_eos, std::move(stop_token_ids), n},
-                                  use_prefix_cache);
+                                  use_prefix_cache, cache_salt);
           },
           py::arg("prompt_token_ids"), py::kw_only(), py::arg("max_tokens") = 16, py::arg("min_tokens") = 0,
           py::arg("ignore_eos") = false, py::arg("stop_token_ids") = std::vector<TokenId>{}, py::arg("n") = 1,
-          py::arg("use_prefix_cache") = true,
+          py::arg("use_prefix_cache") = true, py::arg("cache_salt") = 0,
           "Queues a prompt; returns its sequence id.")
       .def("schedule",
            [](Scheduler& s) { return std::const_pointer_cast<StepOutput>(s.schedule()); })

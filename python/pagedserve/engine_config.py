@@ -56,6 +56,16 @@ class EngineConfig:
                                           "is lossless, as for a bf16 checkpoint; bfloat16: always, rounding; "
                                           "float32: never)", choices=("auto", "bfloat16", "float32"))
     max_logprobs: int = _knob(20, "most logprobs a request may ask for per token")
+    quantization: str = _knob("none", "weights kept quantized in memory: int8 (per output channel, made from any "
+                                      "checkpoint at load); a .gguf model keeps its own blocks whatever this says",
+                              choices=("none", "int8"))
+    kv_cache_dtype: str = _knob("auto", "dtype of the KV cache (auto: the model's dtype on CUDA; on CPU bf16 "
+                                        "where the model computes in float32 or bf16)",
+                                choices=("auto", "bfloat16", "float32"))
+    tensor_parallel_size: int = _knob(1, "ranks the model is split across (column/row-parallel layers, one "
+                                         "process per rank over torch.distributed: NCCL on CUDA, gloo on CPU)")
+    data_parallel_size: int = _knob(1, "engine replicas behind one server (processes), requests routed to the "
+                                       "least loaded with prefix affinity")
 
     def with_updates(self, **kw) -> "EngineConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -113,7 +113,8 @@ class LLMEngine:
             np.asarray(token_ids, dtype=np.int32), max_tokens=max_tokens, min_tokens=params.min_tokens,
             ignore_eos=params.ignore_eos, stop_token_ids=list(params.stop_token_ids or []), n=params.n,
             # Prompt logprobs recompute cached positions from their KV, which a sliding window frees.
-            use_prefix_cache=not (params.prompt_logprobs is not None and self.model_config.kv_window))
+            use_prefix_cache=not (params.prompt_logprobs is not None and self.model_config.kv_window),
+            cache_salt=self.model_config.prefix_cache_salt(len(token_ids)))
         self.requests[request_id] = request
         self._sequences.own(seq_id, request, 0)
         self._unscheduled[seq_id] = request

@@ -56,7 +56,7 @@ class PromptLogprobs:
             num_recompute = max(0, min(first, end) - done)
             if num_recompute:  # a prefix-cache hit: positions [done, first) are not in this step
                 plan.recompute.append(Recompute(prompt[done:done + num_recompute], done, out.block_tables[row].copy(),
-                                                int(out.seq_lens[row])))
+                                                len(prompt)))
                 plan.targets.extend(prompt[done + 1:done + 1 + num_recompute])
             step_positions = range(max(first, done), min(first + int(qsl[row + 1]) - start, end))
             self._spans.append((request, num_recomputed, num_recompute, len(plan.step_rows), len(step_positions)))

@@ -26,9 +26,10 @@ class AttentionMetadata:
     max_seq_len: int
     num_decodes: int = 0
     workspace: Optional[torch.Tensor] = None  # scratch for split-K decode kernels (CUDA)
-    # [S] the lengths that choose length-dependent rope rows (longrope); None: seq_lens. A recompute of
-    # prefix-cached positions attends over part of a sequence that is longer in this step.
-    rope_lengths: Optional[torch.Tensor] = None
+    # [S] each row's prompt length: longrope picks a token's rope rows by max(prompt length, position + 1),
+    # so a prompt's chunks all take the rows one forward over the whole prompt would. None: seq_lens
+    # (a caller that runs whole prompts).
+    prompt_lens: Optional[torch.Tensor] = None
 
     @property
     def num_seqs(self) -> int:

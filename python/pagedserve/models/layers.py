@@ -115,8 +115,9 @@ class LayerNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Half-rotation rope over the first rotary_dim dims of each head, from a float32 cos/sin table built
     once for every position (pagedserve.models.rope). Longrope tables hold short rows then long rows;
-    each token takes the long ones when its sequence's total length this step exceeds the original
-    context (transformers' rule, see rope.py)."""
+    a token takes the long ones when max(its prompt's length, its position + 1) exceeds the original
+    context: transformers' rule for one forward over the prompt and for each decode step (see rope.py),
+    and it holds however the prompt is chunked or recomputed."""
 
     def __init__(self, rotary_dim: int, head_dim: int, max_position: int, theta: float, scaling: Optional[dict],
                  device: torch.device):
@@ -133,8 +134,8 @@ class RotaryEmbedding(nn.Module):
         tokens = torch.arange(positions.shape[0], device=positions.device, dtype=attn.query_start_loc.dtype)
         rows = torch.searchsorted(attn.query_start_loc[1:].contiguous(), tokens, right=True)
         rows = rows.clamp_(max=attn.seq_lens.shape[0] - 1)  # padding tokens past the last row
-        lengths = attn.seq_lens if attn.rope_lengths is None else attn.rope_lengths
-        is_long = lengths.long()[rows] > self.long_threshold
+        row_lengths = attn.seq_lens if attn.prompt_lens is None else attn.prompt_lens
+        is_long = torch.maximum(row_lengths.long()[rows], positions.long() + 1) > self.long_threshold
         return (positions.long() + is_long.long() * self.max_position).to(torch.int32)
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:

@@ -110,6 +110,15 @@ class ModelConfig:
     def layer_uses_rope(self, index: int) -> bool:
         return self.rope_layers[index] if self.rope_layers else True
 
+    def prefix_cache_salt(self, prompt_len: int) -> int:
+        """The prefix cache's salt for a prompt (cpp/block_hash.h): longrope rotates a prompt longer than
+        original_max_position_embeddings with its long factors and a shorter one with its short factors
+        (layers.RotaryEmbedding), so equal tokens on either side of that length must not share KV."""
+        scaling = self.rope_scaling
+        if scaling is None or scaling.get("rope_type") != "longrope":
+            return 0
+        return int(prompt_len > scaling["original_max_position_embeddings"])
+
     @classmethod
     def from_model_dir(cls, model_dir: Union[str, Path], dtype: DTypeLike = "auto",
                        device: DeviceLike = None) -> "ModelConfig":

@@ -14,17 +14,18 @@ Length-dependent types, and how they compare with transformers:
   longrope  transformers uses short_factor while a forward's total length
             (max position + 1) is <= original_max_position_embeddings, long_factor
             for every position once it is longer. The table holds both (short rows,
-            then long rows) and each token picks by its own sequence's total length
-            this step (see RotaryEmbedding): identical to transformers' generate. It
-            differs from one full forward over prompt + completion only where that
-            forward would switch a sequence that crossed the limit during decoding
-            (transformers' cache keeps the earlier keys short too), or when a prompt
-            longer than the limit is prefilled in chunks (earlier chunks stay short).
-            Phi-3's generate() (Phi3ForCausalLM.prepare_inputs_for_generation) goes further:
-            the step a sequence first exceeds the limit, it drops its cache and recomputes
-            every position with the long factors. We keep the cached (short) keys, so
-            after that step Phi-3 logits differ from its generate() (about 5e-2 in logprob
-            on the tiny test model); within one side of the limit they are identical.
+            then long rows) and a token takes the long rows when max(its prompt's
+            length, its position + 1) exceeds the limit (see RotaryEmbedding): one
+            forward over a prompt, then one per decoded token, as transformers'
+            cached forward; it holds however the prompt is chunked, recomputed after
+            preemption or partly served by the prefix cache (whose hashes are salted
+            by the side of the limit a prompt is on, ModelConfig.prefix_cache_salt).
+            Phi-3's generate() (Phi3ForCausalLM.prepare_inputs_for_generation) goes
+            further: the step a sequence first exceeds the limit, it drops its cache
+            and recomputes every position with the long factors. We keep the cached
+            (short) keys, as its cached forward does, so after that step Phi-3 logits
+            differ from its generate() (about 5e-2 in logprob on the tiny test model)
+            and equal its forward's (tests_py/test_model_families.py).
 """
 
 from __future__ import annotations

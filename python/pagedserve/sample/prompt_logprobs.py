@@ -28,7 +28,7 @@ class Recompute:
     token_ids: list[int]  # the sequence's tokens [begin, end)
     begin: int
     block_table: np.ndarray  # the sequence's row of the step's block tables
-    step_len: int = 0  # the sequence's length at the end of this step: picks length-dependent rope rows
+    prompt_len: int = 0  # the sequence's prompt length: picks length-dependent rope rows
 
 
 @dataclass

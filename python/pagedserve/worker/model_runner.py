@@ -87,7 +87,7 @@ class ModelRunner:
                 block_tables=table, query_start_loc=torch.tensor([0, len(ids)], dtype=torch.int32).to(self.device),
                 seq_lens=torch.tensor([end], dtype=torch.int32).to(self.device), max_query_len=len(ids),
                 max_seq_len=end, num_decodes=0, workspace=self.inputs.workspace,
-                rope_lengths=torch.tensor([max(r.step_len, end)], dtype=torch.int32).to(self.device))
+                prompt_lens=torch.tensor([r.prompt_len], dtype=torch.int32).to(self.device))
             positions = torch.arange(end - len(ids), end, dtype=torch.int32).to(self.device)
             ids_t = torch.tensor(ids, dtype=torch.int32).to(self.device)
             parts.append(self.model.forward(ids_t, positions, attn, self.kv_cache))

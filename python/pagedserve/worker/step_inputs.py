@@ -40,6 +40,7 @@ class StepInputs:
             "slot_mapping": max_num_tokens,
             "query_start_loc": max_num_seqs + 1,
             "seq_lens": max_num_seqs,
+            "prompt_lens": max_num_seqs,
             "logits_indices": max_num_tokens,
             "block_tables": max_num_seqs * max_blocks_per_seq,  # last: copied only as far as used
         }
@@ -78,6 +79,7 @@ class StepInputs:
         h("slot_mapping")[:num_tokens] = step.slot_mapping
         h("query_start_loc")[:num_seqs + 1] = step.query_start_loc
         h("seq_lens")[:num_seqs] = step.seq_lens
+        h("prompt_lens")[:num_seqs] = step.prompt_lens
         num_logits = len(step.logits_indices)
         h("logits_indices")[:num_logits] = step.logits_indices
         if rows > num_seqs:
@@ -86,6 +88,7 @@ class StepInputs:
             h("slot_mapping")[num_tokens:tokens] = PAD_SLOT
             h("query_start_loc")[num_seqs + 1:rows + 1] = np.arange(num_tokens + 1, tokens + 1)
             h("seq_lens")[num_seqs:rows] = 0
+            h("prompt_lens")[num_seqs:rows] = 0
         width = step.max_blocks_per_seq
         bt = h("block_tables").reshape(self.max_num_seqs, self.max_blocks_per_seq)
         bt[:num_seqs, :width] = step.block_tables
@@ -104,6 +107,7 @@ class StepInputs:
             block_tables=self.block_tables[:rows],
             query_start_loc=self._view("query_start_loc")[:rows + 1],
             seq_lens=self._view("seq_lens")[:rows],
+            prompt_lens=self._view("prompt_lens")[:rows],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             num_decodes=num_decodes,
