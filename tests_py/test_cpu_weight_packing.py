@@ -80,7 +80,7 @@ def _build(path):
 
 
 def _packed(model) -> bool:
-    return all(m.packed_weight is not None for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
+    return all(m.kernel is not None for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
 
 
 @pytest.mark.parametrize("checkpoint,mode,expect_packed", [
@@ -90,7 +90,7 @@ def test_pack_modes(tiny_checkpoints, checkpoint, mode, expect_packed):
     model = _build(tiny_checkpoints[checkpoint])
     assert pack_cpu_weights(model, mode) is expect_packed
     assert _packed(model) is expect_packed
-    assert (model.packed_lm_head is not None) is expect_packed
+    assert (model.lm_head_kernel is not None) is expect_packed
 
 
 def test_pack_needs_float32_compute_and_a_known_mode(tiny_checkpoints):

@@ -361,7 +361,7 @@ def test_packed_bf16_cpu_path(name, tmp_path):
     hf_model.save_pretrained(tmp_path)
     llm = make_llm(tmp_path)
     model = llm.llm_engine.worker.model
-    assert all(m.packed_weight is not None for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
+    assert all(m.kernel is not None for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
     check_against_transformers(Case(name, hf_model, tmp_path), run(llm, prompts()[:3], 6))
 
 

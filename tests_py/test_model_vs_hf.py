@@ -99,8 +99,8 @@ def test_packed_bf16_weights_match_hf(case, tmp_path):
     model = build_model(ModelConfig.from_model_dir(path, dtype="float32", device="cpu"), "cpu")
     assert pack_cpu_weights(model, "auto")
     linears = [m for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head]
-    assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
-    assert model.packed_lm_head is not None
+    assert linears and all(m.kernel is not None and m.weight is None for m in linears)
+    assert model.lm_head_kernel is not None
     assert_schedule_matches_hf(name, bf16_valued, model, torch.int32)
 
 

@@ -30,6 +30,7 @@ from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.models.families import SLIDING
 from pagedserve.models.layers import (Embedding, LayerNorm, Linear, PagedAttention, RMSNorm, RotaryEmbedding,
                                       activation, activation_and_mul)
+from pagedserve.models.linear_kernels import LinearKernel, PackedBf16
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.models.moe import SparseMoeBlock
 
@@ -234,7 +235,7 @@ class DecoderForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, (config.vocab_size,), self.spec.lm_head_bias, config.dtype,
                                   device)
-        self.packed_lm_head: Optional[torch.Tensor] = None  # bf16 tiles of lm_head_weight() (CPU packing)
+        self.lm_head_kernel: Optional[LinearKernel] = None  # lm_head_weight() in a CPU kernel's format
 
     def lm_head_weight(self) -> torch.Tensor:
         """The [vocab, hidden] matrix of the logits: the embeddings when they are tied."""
@@ -245,7 +246,10 @@ class DecoderForCausalLM(nn.Module):
 
     def pack_lm_head(self) -> None:
         """Computes logits from bf16 tiles (the embedding table stays as it is for lookups)."""
-        self.packed_lm_head = ops.pack_linear_weight(self.lm_head_weight())
+        self.use_lm_head_kernel(PackedBf16(self.lm_head_weight()))
+
+    def use_lm_head_kernel(self, kernel: LinearKernel) -> None:
+        self.lm_head_kernel = kernel
         if self.lm_head is not None:
             self.lm_head.weight = None
 
@@ -260,9 +264,8 @@ class DecoderForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, H] -> logits [R, vocab] in the model's dtype (the sampler upcasts if it must)."""
-        if self.packed_lm_head is not None:
-            logits = torch.empty(hidden.shape[0], self.config.vocab_size, dtype=hidden.dtype)
-            ops.packed_linear(logits, hidden, self.packed_lm_head, self.lm_head_bias())
+        if self.lm_head_kernel is not None:
+            logits = self.lm_head_kernel(hidden, self.lm_head_bias())
         else:
             logits = F.linear(hidden, self.lm_head_weight(), self.lm_head_bias())
         if self.config.logits_scaling != 1.0:  # Granite

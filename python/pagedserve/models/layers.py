@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedserve import ops
 from pagedserve.models.attention_metadata import AttentionMetadata
+from pagedserve.models.linear_kernels import LinearKernel, PackedBf16
 from pagedserve.models.rope import is_long_rope, rope_table
 
 
@@ -29,8 +30,8 @@ def _empty_parameter(shape: Sequence[int], dtype: torch.dtype, device: torch.dev
 class Linear(nn.Module):
     """y = x W^T + b. ``output_sizes`` lists the row blocks of a merged projection (see weights.py).
 
-    On a CPU the weight may be replaced by bf16 tiles after loading (``pack``,
-    see cpu_weight_packing.py); the forward then runs ``ops.packed_linear``.
+    On a CPU the weight may be replaced after loading by a kernel that keeps it in another format
+    (linear_kernels.py: bf16 tiles, see cpu_weight_packing.py); the forward then runs the kernel.
     """
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
@@ -40,19 +41,21 @@ class Linear(nn.Module):
         self.out_features = sum(self.output_sizes)
         self.weight = _empty_parameter((self.out_features, in_features), dtype, device)
         self.bias = _empty_parameter((self.out_features,), dtype, device) if bias else None
-        self.packed_weight: Optional[torch.Tensor] = None
+        self.kernel: Optional[LinearKernel] = None
+
+    def use_kernel(self, kernel: LinearKernel) -> None:
+        """Keeps the weight only in the kernel's format from now on."""
+        self.kernel = kernel
+        self.weight = None
 
     def pack(self) -> None:
         """Keeps the weight only as bf16 tiles (rounded if it is not exactly bf16)."""
-        self.packed_weight = ops.pack_linear_weight(self.weight)
-        self.weight = None
+        self.use_kernel(PackedBf16(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is None:
+        if self.kernel is None:
             return F.linear(x, self.weight, self.bias)
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        ops.packed_linear(out, x, self.packed_weight, self.bias)
-        return out
+        return self.kernel(x, self.bias)
 
 
 class Embedding(nn.Module):

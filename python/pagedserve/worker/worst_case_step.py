@@ -26,6 +26,7 @@ class StepArrays:
     slot_mapping: np.ndarray
     query_start_loc: np.ndarray
     seq_lens: np.ndarray
+    prompt_lens: np.ndarray
     logits_indices: np.ndarray
     block_tables: np.ndarray  # [num_seqs, max_blocks_per_seq]
     block_copies: np.ndarray  # [num_copies, 2]
@@ -63,6 +64,7 @@ def worst_case_step(num_tokens: int, max_model_len: int, block_size: int, num_lo
         slot_mapping=np.concatenate(slots).astype(np.int32),
         query_start_loc=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
         seq_lens=np.asarray(lens, dtype=np.int32),
+        prompt_lens=np.asarray(lens, dtype=np.int32),
         logits_indices=np.arange(min(num_logit_rows, num_tokens), dtype=np.int32),
         block_tables=block_tables,
         block_copies=np.zeros((0, 2), dtype=np.int32),

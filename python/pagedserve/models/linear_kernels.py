@@ -1,0 +1,46 @@
+"""How a Linear's weight is stored and multiplied on the CPU: one small class per format.
+
+A Linear keeps torch's F.linear over its float weight until a kernel replaces the
+weight (``Linear.use_kernel``); the kernel then owns the weight's bytes and computes
+y = x W^T + b. Every format the engine runs (bf16 tiles, int8 channels, GGUF blocks)
+is one class here or in its own module with the same two members, so a layer never
+branches on how its weights are kept.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+
+from pagedserve import ops
+
+
+class LinearKernel(Protocol):
+    out_features: int
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [M, K] -> [M, out_features] in x's dtype."""
+
+    def nbytes(self) -> int:
+        """Bytes the weight occupies (what a step streams)."""
+
+
+class PackedBf16(LinearKernel):
+    """The weight as bf16 tiles (cpp/ops/packed_weight_layout.h), float32 arithmetic: exact for a weight that
+    is exactly bf16, rounded otherwise (see cpu_weight_packing.py)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.out_features = weight.shape[0]
+        self.packed = ops.pack_linear_weight(weight)
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        ops.packed_linear(out, x, self.packed, bias)
+        return out
+
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+
+__all__ = ["LinearKernel", "PackedBf16"]
