@@ -55,6 +55,10 @@ class EngineConfig:
     cpu_weight_dtype: str = _knob("auto", "CPU, float32 models: store linear weights as bf16 tiles (auto: when that "
                                           "is lossless, as for a bf16 checkpoint; bfloat16: always, rounding; "
                                           "float32: never)", choices=("auto", "bfloat16", "float32"))
+    cpu_precision: str = _knob("auto", "CPU, float32 models: float32: float32 arithmetic throughout (exact); "
+                                       "bfloat16: bf16 activations into the matrix products (AVX512_BF16 / AMX) "
+                                       "and a bf16 KV cache; auto: float32",
+                               choices=("auto", "float32", "bfloat16"))
     max_logprobs: int = _knob(20, "most logprobs a request may ask for per token")
     quantization: str = _knob("none", "weights kept quantized in memory: int8 (per output channel, made from any "
                                       "checkpoint at load); a .gguf model keeps its own blocks whatever this says",

@@ -19,3 +19,17 @@ class RequestError(ValueError):
         self.message = message
         self.field = field
         self.code = code
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run another step: a tensor-parallel rank or a data-parallel replica died or hung.
+
+    ``who`` names the process at fault ("rank 1", "replica 0") and the message says why. Unlike a
+    RequestError it is not about one request: the offline API raises it to the caller, and the server
+    reports 503 on /health and exits non-zero with the message.
+    """
+
+    def __init__(self, who: str, why: str):
+        super().__init__(f"{who} failed: {why}")
+        self.who = who
+        self.why = why
