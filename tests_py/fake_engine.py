@@ -27,7 +27,7 @@ from typing import Optional
 
 from pagedserve.engine.info import EngineInfo
 from pagedserve.engine.validation import EngineLimits, validate_request
-from pagedserve.errors import RequestError
+from pagedserve.errors import EngineDeadError, RequestError
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 BLOCK_STATE_NAMES = {"0": "free", "1": "in_use", "2": "shared", "3": "cached"}
@@ -104,11 +104,17 @@ class _Request:
 class FakeEngine:
     def __init__(self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 64, max_num_seqs: int = 4,
                  step_seconds: float = 0.0, max_logprobs: int = 5, vocab_size: int = 256,
-                 default_sampling: Optional[dict] = None, fail_prompt: Optional[str] = None):
+                 default_sampling: Optional[dict] = None, fail_prompt: Optional[str] = None,
+                 dead_prompt: Optional[str] = None):
         self.step_seconds = step_seconds
         self.fail_next_step = False
         # A step with a request of this prompt raises (as a device error would):
         self.fail_prompt = list(fail_prompt.encode()) if fail_prompt else None
+        # A step with a request holding this text raises EngineDeadError (as a dead rank would), and so
+        # does every call after it:
+        self.dead_prompt = list(dead_prompt.encode()) if dead_prompt else None
+        self.dead: Optional[EngineDeadError] = None
+        self.shut_down = False
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -161,6 +167,9 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
+        if self.dead_prompt and any(_contains(r.prompt_token_ids, self.dead_prompt) for r in self._requests.values()):
+            self.dead = EngineDeadError("rank 1", "injected: the process died (signal SIGKILL)")
+        self.check_health()
         if self.fail_next_step or any(r.prompt_token_ids == self.fail_prompt for r in self._requests.values()):
             self.fail_next_step = False
             raise RuntimeError(f"injected step failure: {SECRET}")
@@ -210,6 +219,13 @@ class FakeEngine:
                 "waiting": [self._summary(r) for r in list(self._requests.values())[len(running):]],
                 "num_unfinished_requests": len(self._requests)}
 
+    def check_health(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
     # -- helpers ---------------------------------------------------------------------------------------
     def _running(self) -> list[_Request]:
         return list(self._requests.values())[:self.max_num_seqs]
@@ -233,6 +249,10 @@ class FakeEngine:
     def _summary(request: _Request) -> dict:
         return {"id": request.request_id, "prompt_tokens": len(request.prompt_token_ids), "n": len(request.samples),
                 "output_tokens": max((len(s.token_ids) for s in request.samples), default=0)}
+
+
+def _contains(ids: list[int], part: list[int]) -> bool:
+    return bytes(part) in bytes(ids) if all(0 <= t < 256 for t in ids) else False
 
 
 class ProtocolOnly:
@@ -264,6 +284,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     g.add_argument("--fake-max-num-seqs", type=int, default=4)
     g.add_argument("--fake-temperature", type=float, default=None, help="the model's default temperature")
     g.add_argument("--fake-fail-prompt", default=None, help="a step with a request of this prompt raises")
+    g.add_argument("--fake-dead-prompt", default=None,
+                   help="a step with a request holding this text raises EngineDeadError, as a dead rank would")
     args = parser.parse_args(argv)
 
     def build() -> ProtocolOnly:
@@ -271,7 +293,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         defaults = {"temperature": args.fake_temperature} if args.fake_temperature is not None else {}
         return ProtocolOnly(FakeEngine(num_blocks=256, max_model_len=args.fake_max_model_len,
                                        max_num_seqs=args.fake_max_num_seqs, step_seconds=args.fake_step_seconds,
-                                       default_sampling=defaults, fail_prompt=args.fake_fail_prompt))
+                                       default_sampling=defaults, fail_prompt=args.fake_fail_prompt,
+                                       dead_prompt=args.fake_dead_prompt))
     return serve(args, build_engine=build)
 
 

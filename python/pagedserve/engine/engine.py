@@ -52,6 +52,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 class LLMEngine:
     def __init__(self, config: Optional[EngineConfig] = None, **kwargs):
         config = (config or EngineConfig()).with_updates(**kwargs)
+        if config.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={config.data_parallel_size}: an LLMEngine (and LLM) is one engine "
+                             f"in this process; serve replicas with `pagedserve serve --data-parallel-size "
+                             f"{config.data_parallel_size}` and use its OpenAI API")
         device = check_device_usable(resolve_device(config.device))
         model_dir = model_path(config.model)
         self.model_config = ModelConfig.from_model_dir(model_dir, dtype=config.dtype, device=device)
@@ -280,6 +284,10 @@ class LLMEngine:
         for rank, (tid, value) in enumerate(lp.top, start=1):
             entry.setdefault(tid, Logprob(value, rank, decode([tid])))
         return entry
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when a process this engine depends on died or hung (the server asks
+        while idle). One process has none to lose."""
 
     def shutdown(self) -> None:
         """Aborts what is left and frees the device memory (weights, KV cache, CUDA graphs) now,

@@ -8,6 +8,12 @@ then announces it; the HTTP server comes up at once and answers /health with
 thread serves every connection (see async_engine.py). SIGINT / SIGTERM stop
 accepting, abort the requests in flight (streams end with finish_reason
 "abort"), join the loop thread and exit 0.
+
+An engine that fails for good (EngineDeadError: a rank or replica process died
+or hung) fails the requests in flight with its reason, turns /health to 503
+with it, and the server exits with status 1 within seconds (FATAL_EXIT_SECONDS
+at the latest), its last line "pagedserve: error: engine failed: <who> failed:
+<why>".
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 from typing import Callable, Optional
 
@@ -47,6 +55,10 @@ logger = logging.getLogger("pagedserve.server")
 # Seconds uvicorn waits for connections to finish after a signal; aborted streams end within a step.
 SHUTDOWN_GRACE_SECONDS = 10
 LOOP_JOIN_SECONDS = 30
+# After the engine died: /health answers 503 this long before the server stops (a probe sees why), and
+# the process is gone after FATAL_EXIT_SECONDS whatever still runs (the issue allows 5 s in all).
+FATAL_LINGER_SECONDS = 0.5
+FATAL_EXIT_SECONDS = 4.0
 
 
 def build_app(ctx: ServerContext, on_startup: Optional[Callable[[asyncio.AbstractEventLoop], None]] = None) -> FastAPI:
@@ -80,8 +92,10 @@ def build_app(ctx: ServerContext, on_startup: Optional[Callable[[asyncio.Abstrac
 
 
 def attach_engine(ctx: ServerContext, engine: EngineClient, loop: asyncio.AbstractEventLoop,
-                  request_log: Optional[RequestLog] = None) -> None:
-    """Fills the context from a loaded engine's info() and starts the engine loop (event loop thread)."""
+                  request_log: Optional[RequestLog] = None,
+                  on_dead: Optional[Callable[[BaseException], None]] = None) -> None:
+    """Fills the context from a loaded engine's info() and starts the engine loop (event loop thread);
+    `on_dead(error)` runs on the event loop if the engine fails for good."""
     if ctx.async_engine.stopping:
         return  # a signal came while loading
     info = engine.info()
@@ -90,12 +104,13 @@ def attach_engine(ctx: ServerContext, engine: EngineClient, loop: asyncio.Abstra
     async_engine = ctx.async_engine
     ctx.metrics = ServerMetrics(ctx.served_model_name,
                                 lambda: async_engine.loop_state.stats if async_engine.loop_state else None)
-    async_engine.start(engine, loop, Observers([ctx.metrics, request_log]))
+    async_engine.start(engine, loop, Observers([ctx.metrics, request_log]), on_dead=on_dead)
 
 
 def start_loading(ctx: ServerContext, build_engine: Callable[[], EngineClient], loop: asyncio.AbstractEventLoop,
                   on_ready: Callable[[], None], on_failure: Callable[[], None],
-                  request_log: Optional[RequestLog] = None) -> threading.Thread:
+                  request_log: Optional[RequestLog] = None,
+                  on_dead: Optional[Callable[[BaseException], None]] = None) -> threading.Thread:
     """Builds the engine on a daemon thread, then attaches it on the event loop."""
 
     def load() -> None:
@@ -111,7 +126,7 @@ def start_loading(ctx: ServerContext, build_engine: Callable[[], EngineClient], 
             return
 
         def attach() -> None:
-            attach_engine(ctx, engine, loop, request_log)
+            attach_engine(ctx, engine, loop, request_log, on_dead)
             on_ready()
         _call_in_loop(loop, attach)
 
@@ -151,8 +166,8 @@ def _default_engine(args: argparse.Namespace) -> Callable[[], EngineClient]:
     config = engine_config_from_args(args)  # a bad option fails here, before the port is taken
 
     def build():
-        from pagedserve.engine.engine import LLMEngine
-        return LLMEngine(config)
+        from pagedserve.engine.data_parallel import build_engine
+        return build_engine(config)  # LLMEngine, or replicas behind one client with --data-parallel-size
     return build
 
 
@@ -193,7 +208,7 @@ def serve(args: argparse.Namespace, build_engine: Optional[Callable[[], EngineCl
 
     def on_startup(loop: asyncio.AbstractEventLoop) -> None:
         loop.set_exception_handler(loop_exception_handler(flood))
-        start_loading(ctx, build_engine, loop, on_ready, on_failure, request_log)
+        start_loading(ctx, build_engine, loop, on_ready, on_failure, request_log, on_dead)
 
     def on_ready() -> None:
         print(f"pagedserve: serving {ctx.served_model_name} on {ctx.device} at {url} "
@@ -201,6 +216,11 @@ def serve(args: argparse.Namespace, build_engine: Optional[Callable[[], EngineCl
 
     def on_failure() -> None:
         server.should_exit = True
+
+    def on_dead(error: BaseException) -> None:
+        print(f"pagedserve: error: engine failed: {error}; exiting", file=sys.stderr, flush=True)
+        _exit_after(FATAL_EXIT_SECONDS)
+        asyncio.get_running_loop().call_later(FATAL_LINGER_SECONDS, on_failure)
 
     app = build_app(ctx, on_startup)
     protocol = GuardedH11Protocol.configure(args.timeout_header, args.max_connections, flood)
@@ -212,4 +232,16 @@ def serve(args: argparse.Namespace, build_engine: Optional[Callable[[], EngineCl
     print(f"pagedserve: listening on {url}, loading the model", file=sys.stderr, flush=True)
     with sock:
         server.run(sockets=[sock])
-    return 1 if ctx.load_error is not None else 0
+    return 1 if ctx.load_error is not None or ctx.async_engine.dead_error is not None else 0
+
+
+def _exit_after(seconds: float) -> None:
+    """Ends the process with status 1 after `seconds` if the orderly stop has not ended it by then
+    (a connection or an engine shutdown that hangs must not keep a dead server up)."""
+
+    def watchdog() -> None:
+        time.sleep(seconds)
+        print(f"pagedserve: error: the server did not stop within {seconds:g} s of the engine failure; "
+              f"exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+    threading.Thread(target=watchdog, name="pagedserve-exit-watchdog", daemon=True).start()

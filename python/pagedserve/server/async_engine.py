@@ -18,11 +18,12 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from pagedserve.errors import RequestError
-from pagedserve.server.engine_commands import (AbortCommand, AddCommand, EngineStepError, EngineUnavailable,
-                                               SnapshotCommand, StepObserver, StopCommand, WaitingCount)
+from pagedserve.server.engine_commands import (AbortCommand, AddCommand, EngineDead, EngineStepError,
+                                               EngineUnavailable, SnapshotCommand, StepObserver, StopCommand,
+                                               WaitingCount)
 from pagedserve.server.engine_loop import EngineLoop
 
-__all__ = ["AsyncEngine", "OutputStream", "EngineOverloaded", "EngineUnavailable", "EngineStepError"]
+__all__ = ["AsyncEngine", "OutputStream", "EngineOverloaded", "EngineUnavailable", "EngineStepError", "EngineDead"]
 
 
 class EngineOverloaded(Exception):
@@ -77,24 +78,38 @@ class AsyncEngine:
         self._waiting = WaitingCount()
         self._routes: dict[str, tuple[asyncio.Queue, int]] = {}  # engine request id -> (queue, prompt index)
         self._stopping = False
+        self._dead: Optional[BaseException] = None  # the EngineDeadError that ended the loop
+        self._on_dead: Optional[Callable[[BaseException], None]] = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self, engine, event_loop: asyncio.AbstractEventLoop, observer: Optional[StepObserver] = None) -> None:
-        """Starts the loop thread over a loaded engine; outputs are delivered on `event_loop`."""
+    def start(self, engine, event_loop: asyncio.AbstractEventLoop, observer: Optional[StepObserver] = None,
+              on_dead: Optional[Callable[[BaseException], None]] = None) -> None:
+        """Starts the loop thread over a loaded engine; outputs are delivered on `event_loop`.
+        `on_dead(error)` runs there once if the engine fails for good (EngineDeadError)."""
         if self._loop_thread is not None:
             raise RuntimeError("the engine loop is already running")
         self._event_loop = event_loop
+        self._on_dead = on_dead
         self._loop_thread = EngineLoop(engine, event_loop, self, self._waiting, observer)
         self._loop_thread.start()
 
     @property
     def ready(self) -> bool:
-        return self._loop_thread is not None and self._loop_thread.is_alive() and not self._stopping
+        return (self._loop_thread is not None and self._loop_thread.is_alive() and not self._stopping
+                and self._dead is None)
 
     @property
     def failed(self) -> bool:
-        """The loop thread died (a bug, not a failed step): nothing will be served."""
+        """The loop thread died (a bug, not a failed step) or the engine failed for good: nothing will be
+        served."""
+        if self._dead is not None:
+            return True
         return self._loop_thread is not None and not self._loop_thread.is_alive() and not self._stopping
+
+    @property
+    def dead_error(self) -> Optional[BaseException]:
+        """The EngineDeadError that ended the engine (None while it serves)."""
+        return self._dead
 
     @property
     def stopping(self) -> bool:
@@ -181,6 +196,8 @@ class AsyncEngine:
         return await done
 
     def _check_serving(self) -> None:
+        if self._dead is not None:
+            raise EngineUnavailable(f"engine failed: {self._dead}")
         if self._stopping:
             raise EngineUnavailable("the server is shutting down")
         if self._loop_thread is None:
@@ -205,3 +222,10 @@ class AsyncEngine:
             if route is not None:
                 queue, index = route
                 queue.put_nowait((index, error))
+
+    def engine_dead(self, error: BaseException) -> None:
+        if self._dead is not None:
+            return
+        self._dead = error
+        if self._on_dead is not None:
+            self._on_dead(error)

@@ -59,6 +59,8 @@ class ServerContext:
     def require_ready(self) -> None:
         if self.load_error is not None:
             raise service_unavailable(f"the model failed to load: {self.load_error}", "model_load_failed")
+        if self.async_engine.dead_error is not None:
+            raise service_unavailable(f"engine failed: {self.async_engine.dead_error}", "engine_dead")
         if self.async_engine.stopping:
             raise service_unavailable("the server is shutting down", "shutting_down")
         if self.async_engine.failed:

@@ -2,7 +2,9 @@
 
 LLMEngine implements it, and so does the tests' fake; nothing under server/
 reaches past it (no worker, scheduler or request records). The engine loop
-thread is the only caller, so implementations need no locks.
+thread is the only caller, so implementations need no locks. Any method may
+raise pagedserve.errors.EngineDeadError: the engine cannot go on, and the
+server stops (see engine_loop.py).
 """
 
 from __future__ import annotations
@@ -37,3 +39,12 @@ class EngineClient(Protocol):
 
     def snapshot(self) -> dict:
         """The engine page's view: stats, block map, running and waiting requests."""
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when a process the engine depends on (a tensor-parallel rank, a
+        data-parallel replica) died or hung. Cheap: called about once a second while the engine is idle
+        (step() and the commands raise it themselves while it works)."""
+
+    def shutdown(self) -> None:
+        """Stops the engine for good (its processes joined, its memory freed): called once, by the loop
+        thread, when the loop ends."""

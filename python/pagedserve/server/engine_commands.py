@@ -18,6 +18,11 @@ class EngineStepError(RuntimeError):
     """engine.step() raised: the requests in flight were aborted."""
 
 
+class EngineDead(EngineStepError):
+    """The engine failed for good (EngineDeadError): the requests in flight end with this, whose
+    message ("engine failed: replica 1 failed: ...") is for the client too; the server exits."""
+
+
 @dataclass
 class AddCommand:
     request_id: str
@@ -87,6 +92,8 @@ class OutputRouter(Protocol):
     def deliver(self, outputs: list) -> None: ...
 
     def fail(self, request_ids: list[str], error: BaseException) -> None: ...
+
+    def engine_dead(self, error: BaseException) -> None: ...  # the engine raised EngineDeadError
 
 
 class WaitingCount:

@@ -3,9 +3,17 @@
 It loops: apply the commands that arrived (add, abort, snapshot, stop), run
 one engine.step() while anything is unfinished, and hand the step's outputs
 to the event loop in a single call_soon_threadsafe. When nothing is
-unfinished it sleeps on the command queue. No other thread touches the
-engine, so the engine needs no locks, and a request that arrives mid-step
-joins the running batch at the next step boundary.
+unfinished it sleeps on the command queue (waking each second to ask the
+engine's check_health()). No other thread touches the engine, so the engine
+needs no locks, and a request that arrives mid-step joins the running batch at
+the next step boundary.
+
+An engine that raises EngineDeadError (a rank or replica process died or hung)
+ends the loop: every request in flight fails with EngineDead (its message
+names the process and why), later commands are refused, the router's
+engine_dead() tells the server (which answers /health 503 and exits), and the
+engine is shut down. Any other step exception fails the requests in flight
+with EngineStepError and the loop serves on.
 """
 
 from __future__ import annotations
@@ -19,16 +27,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from pagedserve.errors import RequestError
+from pagedserve.errors import EngineDeadError, RequestError
 from pagedserve.server.engine_client import EngineClient
-from pagedserve.server.engine_commands import (AbortCommand, AddCommand, EngineStepError, EngineUnavailable,
-                                               OutputRouter, SnapshotCommand, StepObserver, StopCommand,
-                                               WaitingCount)
+from pagedserve.server.engine_commands import (AbortCommand, AddCommand, EngineDead, EngineStepError,
+                                               EngineUnavailable, OutputRouter, SnapshotCommand, StepObserver,
+                                               StopCommand, WaitingCount)
 
 logger = logging.getLogger("pagedserve.server")
 
 # Steps remembered for the engine view's batch-composition chart.
 STEP_HISTORY_LENGTH = 240
+# Seconds between the idle loop's engine.check_health() calls: a replica that dies while nothing runs is
+# reported within this (plus the server's exit), well inside the 5 s the issue allows.
+IDLE_HEALTH_CHECK_SECONDS = 1.0
 
 
 @dataclass
@@ -47,6 +58,7 @@ class LoopState:
     steps: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STEP_HISTORY_LENGTH))
     num_steps: int = 0
     num_step_failures: int = 0
+    dead: Optional[EngineDeadError] = None  # set once, when the engine failed for good
 
 
 class EngineLoop(threading.Thread):
@@ -73,18 +85,26 @@ class EngineLoop(threading.Thread):
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
+        refusal = EngineUnavailable("the server is shutting down")
         try:
             while self._serve_once():
                 pass
+        except EngineDeadError as err:
+            self._die(err)
+            refusal = EngineUnavailable(f"engine failed: {err}")
         except Exception:  # a bug in the loop itself: fail everything rather than hang clients
             logger.exception("the engine loop died")
             self._fail_everything(EngineStepError("the engine loop died"))
         finally:
-            self._refuse_remaining_commands()
+            self._refuse_remaining_commands(refusal)
+            self._shutdown_engine()
 
     def _serve_once(self) -> bool:
         idle = not self.engine.has_unfinished_requests()
         commands = self._take_commands(block=idle)
+        if idle and not commands:
+            self.engine.check_health()
+            return True
         for i, command in enumerate(commands):
             if isinstance(command, StopCommand):
                 self._abort(list(self._live))
@@ -99,7 +119,12 @@ class EngineLoop(threading.Thread):
         return True
 
     def _take_commands(self, block: bool) -> list:
-        commands = [self._commands.get()] if block else []
+        commands = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=IDLE_HEALTH_CHECK_SECONDS))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._commands.get_nowait())
@@ -109,6 +134,8 @@ class EngineLoop(threading.Thread):
     def _apply(self, command) -> None:
         try:
             self._apply_one(command)
+        except EngineDeadError:
+            raise
         except Exception as err:  # an engine bug on one command must not stop the loop for everyone
             logger.exception("engine command %s failed", type(command).__name__)
             future = getattr(command, "accepted", None) or getattr(command, "done", None)
@@ -167,6 +194,8 @@ class EngineLoop(threading.Thread):
     def _snapshot(self, command: SnapshotCommand) -> None:
         try:
             value = command.read(self.engine, self)
+        except EngineDeadError:
+            raise
         except Exception as err:  # a bad reader must not take the loop down
             self._resolve(command.done, err)
             return
@@ -177,6 +206,8 @@ class EngineLoop(threading.Thread):
         start = time.perf_counter()
         try:
             outputs = self.engine.step()
+        except EngineDeadError:
+            raise
         except Exception as err:
             logger.exception("engine.step() failed; aborting the requests in flight")
             self.state.num_step_failures += 1
@@ -202,6 +233,20 @@ class EngineLoop(threading.Thread):
         return stats
 
     # ------------------------------------------------------------------ failure and shutdown
+    def _die(self, error: EngineDeadError) -> None:
+        """The engine cannot go on: tell the server first (its /health turns 503 at once), then fail
+        every request in flight with the reason."""
+        logger.error("engine failed: %s", error)
+        self.state.dead = error
+        self._to_event_loop(self._router.engine_dead, error)
+        self._fail_everything(EngineDead(f"engine failed: {error}"))
+
+    def _shutdown_engine(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception:  # the process is ending: log it, never hang or mask the first failure
+            logger.exception("the engine's shutdown failed")
+
     def _fail_everything(self, error: BaseException) -> None:
         ids = list(self._live)
         for rid in ids:
@@ -216,13 +261,13 @@ class EngineLoop(threading.Thread):
         if self._observer is not None:
             self._observer.on_requests_dropped(ids)
 
-    def _refuse_remaining_commands(self) -> None:
-        self._refuse(self._take_commands(block=False))
+    def _refuse_remaining_commands(self, gone: EngineUnavailable) -> None:
+        self._refuse(self._take_commands(block=False), gone)
         self._waiting.publish(self._applied_seqs, 0)
         self._applied_seqs = 0
 
-    def _refuse(self, commands: list) -> None:
-        gone = EngineUnavailable("the server is shutting down")
+    def _refuse(self, commands: list, gone: Optional[EngineUnavailable] = None) -> None:
+        gone = gone or EngineUnavailable("the server is shutting down")
         for command in commands:
             if isinstance(command, AddCommand):
                 self._applied_seqs += command.num_seqs

@@ -30,6 +30,9 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def health() -> JSONResponse:
         if ctx.load_error is not None:
             return JSONResponse({"status": "failed", "error": ctx.load_error}, status_code=503)
+        if ctx.async_engine.dead_error is not None:
+            return JSONResponse({"status": "failed", "error": f"engine failed: {ctx.async_engine.dead_error}"},
+                                status_code=503)
         if ctx.async_engine.stopping:
             return JSONResponse({"status": "shutting_down"}, status_code=503)
         if ctx.async_engine.failed:

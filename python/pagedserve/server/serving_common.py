@@ -10,8 +10,9 @@ from typing import AsyncIterator
 from fastapi.responses import JSONResponse, Response
 
 from pagedserve.server.context import ServerContext
-from pagedserve.server.errors import internal_error_body, internal_error_response, new_error_id
-from pagedserve.server.async_engine import EngineStepError, OutputStream
+from pagedserve.server.errors import (ErrorResponse, error_body, internal_error_body, internal_error_response,
+                                     new_error_id)
+from pagedserve.server.async_engine import EngineDead, EngineStepError, OutputStream
 from pagedserve.server.streaming import CLIENT_CLOSED_REQUEST, DONE, sse
 
 logger = logging.getLogger("pagedserve.server")
@@ -58,12 +59,22 @@ def _log_failure(call_id: str, err: Exception) -> str:
 
 
 def engine_failure_response(call_id: str, err: Exception) -> JSONResponse:
+    if isinstance(err, EngineDead):
+        return ErrorResponse(_engine_dead_body(call_id, err), status_code=500)
     return internal_error_response(_log_failure(call_id, err))
 
 
 def engine_failure_event(call_id: str, err: Exception) -> dict:
     """The error event a stream ends with when the engine failed under it."""
+    if isinstance(err, EngineDead):
+        return _engine_dead_body(call_id, err)
     return internal_error_body(_log_failure(call_id, err))
+
+
+def _engine_dead_body(call_id: str, err: EngineDead) -> dict:
+    """A dead engine's reason names a process and a cause, never request data: the client may read it."""
+    logger.info("%s ended: %s", call_id, err)
+    return error_body(500, str(err), code="engine_dead")
 
 
 async def sse_events(call_id: str, stream: OutputStream, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
