@@ -104,6 +104,7 @@ class EngineLoop(threading.Thread):
         commands = self._take_commands(block=idle)
         if idle and not commands:
             self.engine.check_health()
+            self._publish()  # an engine of other processes may have news (its blocks freed after aborts)
             return True
         for i, command in enumerate(commands):
             if isinstance(command, StopCommand):

@@ -29,37 +29,44 @@ LATENCY_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+# The engine gauges and counters read from stats(): (name, help, stats key, is a counter).
+_ENGINE_METRICS = (
+    ("num_requests_running", "Sequences in the running batch.", "num_running", False),
+    ("num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting", False),
+    ("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).", "pool_utilization", False),
+    ("prefix_cache_hit_rate", "Prefix-cache hits over queried blocks, since start.", "prefix_hit_rate", False),
+    ("num_kv_blocks", "KV cache blocks in the pool.", "num_blocks", False),
+    ("num_free_kv_blocks", "KV blocks allocatable now (free plus cached-evictable).", "num_free_blocks", False),
+    ("num_cached_kv_blocks", "KV blocks held by nobody but kept for prefix reuse.", "num_evictable_blocks", False),
+    ("num_preemptions", "Sequences preempted to free KV blocks.", "num_preemptions", True),
+    ("prefix_cache_queried_blocks", "Whole prompt blocks looked up in the prefix cache.", "prefix_queried_blocks",
+     True),
+    ("prefix_cache_hit_blocks", "Whole prompt blocks found in the prefix cache.", "prefix_hit_blocks", True),
+)
+
+
 class _EngineGauges:
-    """Collector reading the loop's latest published stats at scrape time."""
+    """Collector reading the loop's latest published stats at scrape time. With data-parallel
+    replicas (stats carry "replicas") each metric has one sample per replica, labelled replica="i",
+    so sum() over them is the server's total."""
 
     def __init__(self, model_name: str, read_stats: Callable[[], Optional[dict]]):
-        self._labels = {"model_name": model_name}
+        self._model_name = model_name
         self._read_stats = read_stats
-
-    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
-        g = GaugeMetricFamily(PREFIX + name, doc, labels=list(self._labels))
-        g.add_metric(list(self._labels.values()), value)
-        return g
 
     def collect(self) -> Iterable:
         s = self._read_stats()
         if not s:
             return
-        yield self._gauge("num_requests_running", "Sequences in the running batch.", s["num_running"])
-        yield self._gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s["num_waiting"])
-        yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks held by requests (1 = full).",
-                          s["pool_utilization"])
-        yield self._gauge("prefix_cache_hit_rate", "Prefix-cache hits over queried blocks, since start.",
-                          s["prefix_hit_rate"])
-        yield self._gauge("num_kv_blocks", "KV cache blocks in the pool.", s["num_blocks"])
-        yield self._gauge("num_free_kv_blocks", "KV blocks allocatable now (free plus cached-evictable).",
-                          s["num_free_blocks"])
-        yield self._gauge("num_cached_kv_blocks", "KV blocks held by nobody but kept for prefix reuse.",
-                          s["num_evictable_blocks"])
-        c = CounterMetricFamily(PREFIX + "num_preemptions", "Sequences preempted to free KV blocks.",
-                                labels=list(self._labels))
-        c.add_metric(list(self._labels.values()), s["num_preemptions"])
-        yield c
+        replicas = s.get("replicas")
+        rows = [([self._model_name], s)] if not replicas else \
+            [([self._model_name, str(r["replica"])], r) for r in replicas]
+        labels = ["model_name"] + (["replica"] if replicas else [])
+        for name, doc, key, is_counter in _ENGINE_METRICS:
+            family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(PREFIX + name, doc, labels=labels)
+            for values, stats in rows:
+                family.add_metric(values, stats.get(key, 0))
+            yield family
 
 
 class _RequestTally:
