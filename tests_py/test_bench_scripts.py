@@ -42,6 +42,7 @@ def load(out: Path, name: str) -> dict:
 SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py", "perf/kernel_bench.py",
            "perf/scheduler_bench.py", "perf/step_timing.py", "perf/serve_bench.py", "perf/cpu_ops_bench.py",
            "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py", "perf/moe_bench.py",
+           "perf/dp_bench.py",
            "perf/window_kv_bench.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/sdpa_numerics.py",
            "numerics/norm_numerics.py", "numerics/softmax_numerics.py"]
@@ -153,6 +154,15 @@ def test_cpu_op_and_sampler_benches_quick(tmp_path):
     sampler = load(tmp_path, "sampler_cpu_quick")
     assert {r["case"] for r in sampler["rows"]} >= {"greedy (fast path)", "mixed"}
     assert all(r["median_ms"] > 0 for r in sampler["rows"])
+
+
+def test_dp_bench_quick(tmp_path):
+    run_script("perf/dp_bench.py", "--quick", "--workloads", "shared_prefix", "--serve-args",
+               "--device cpu --max-model-len 512 --kv-cache-memory-gb 0.25", "--out", str(tmp_path), timeout=600)
+    rows = load(tmp_path, "dp_cpu_quick")["results"]
+    assert [r["data_parallel_size"] for r in rows] == [1, 2]
+    assert all(r["completed"] == 16 and r["failed"] == 0 and r["output_token_throughput"] > 0 for r in rows)
+    assert len(rows[1]["replicas"]) == 2 and sum(r["prompt_tokens"] for r in rows[1]["replicas"]) == 16 * 32
 
 
 def test_make_results_renders_every_result(tmp_path):

@@ -233,3 +233,25 @@ def test_a_killed_replica_turns_health_503_and_ends_the_server_with_status_1(ser
         time.sleep(0.1)
     left = [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not left, f"processes outlived the server: {left}"
+
+
+def test_a_frozen_replica_turns_health_503_and_ends_the_server_with_status_1():
+    """SIGSTOP: the process lives but sends nothing, not even its heartbeat (checked while idle)."""
+    with ServerProcess("--data-parallel-size", str(NUM_REPLICAS), "--kv-cache-memory-gb", "0.25") as server:
+        pids = [r["pid"] for r in server.engine_state()["replicas"]]
+        children = psutil.Process(server.process.pid).children(recursive=True)
+        os.kill(pids[0], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        health = None
+        while health is None and time.monotonic() - stopped_at < 6:
+            response = httpx.get(server.url + "/health", timeout=2)
+            health = response.json() if response.status_code == 503 else None
+            time.sleep(0.05)
+        assert health is not None and time.monotonic() - stopped_at < 5, health
+        assert "replica 0 failed: no sign of life" in health["error"], health
+        assert server.wait(timeout=10) == 1, server.log()
+        deadline = time.monotonic() + 10
+        while any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children) and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]

@@ -87,6 +87,7 @@ class DataParallelEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # (replica index, report) from every replica
         self._replicas: list[ReplicaHandle] = []
         self._closed = False
+        self._dead = False  # a replica failed: shutdown() kills rather than asks (a hung one cannot answer)
         atexit.register(self._kill_all)  # however the server ends, no replica outlives it
         try:
             for placement in place_replicas(config):
@@ -209,6 +210,9 @@ class DataParallelEngine:
         if self._closed:
             return
         self._closed = True
+        if self._dead:
+            self._kill_all()
+            return
         for handle in self._replicas:
             handle.request_stop()
         deadline = time.monotonic() + STOP_SECONDS
@@ -259,15 +263,19 @@ class DataParallelEngine:
         """EngineDeadError for the first replica that died, hung or reported its engine dead."""
         for index, message in (self._held if reports is None else reports):
             if isinstance(message, Dead):
-                raise EngineDeadError(f"replica {index} ({message.who})", message.why)
+                self._fail(f"replica {index} ({message.who})", message.why)
             if isinstance(message, PipeClosed):
                 code = self._replicas[index].wait_exit(1.0)
-                raise EngineDeadError(f"replica {index}", describe_exit(code) if code is not None else
-                                      "its pipe closed (the process is exiting)")
+                self._fail(f"replica {index}", describe_exit(code) if code is not None else
+                           "its pipe closed (the process is exiting)")
         for handle in self._replicas:
             why = handle.failure()
             if why is not None:
-                raise EngineDeadError(f"replica {handle.index}", why)
+                self._fail(f"replica {handle.index}", why)
+
+    def _fail(self, who: str, why: str) -> None:
+        self._dead = True
+        raise EngineDeadError(who, why)
 
     def _kill_all(self) -> None:
         for handle in self._replicas:

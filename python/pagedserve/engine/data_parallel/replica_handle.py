@@ -20,9 +20,9 @@ from pagedserve.engine.data_parallel.placement import ReplicaPlacement
 from pagedserve.engine.data_parallel.replica_process import HEARTBEAT_SECONDS, replica_main
 from pagedserve.engine_config import EngineConfig
 
-# A replica that sent nothing (not even a heartbeat) this long is hung: 8 missed beats, and a dead
-# server is still reported within the 5 s the issue allows.
-SILENCE_LIMIT_SECONDS = 8 * HEARTBEAT_SECONDS
+# A replica that sent nothing (not even a heartbeat) this long is hung: 6 missed beats, so a frozen
+# replica is reported within the 5 s the issue allows even while idle (the loop asks every second).
+SILENCE_LIMIT_SECONDS = 6 * HEARTBEAT_SECONDS
 
 
 class PipeClosed:
