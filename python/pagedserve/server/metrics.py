@@ -136,7 +136,10 @@ class ServerMetrics:
             self.generation_tokens.inc(new_tokens)
 
     def on_step(self, step_seconds: float, stats: dict) -> None:
-        self.step_duration.observe(step_seconds)
+        # Replicas in processes of their own report their steps' durations; the loop's step() only
+        # collected their outputs then.
+        for seconds in stats.get("replica_step_seconds", (step_seconds,)):
+            self.step_duration.observe(seconds)
 
     def on_requests_dropped(self, request_ids: list[str]) -> None:
         for rid in request_ids:

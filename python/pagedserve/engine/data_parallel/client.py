@@ -246,6 +246,7 @@ class DataParallelEngine:
     def _take_outputs(self, index: int, message: Outputs, outputs: list) -> None:
         self._stats[index] = message.stats
         if message.stepped:
+            self._step_sums.setdefault("replica_step_seconds", []).append(message.step_seconds)
             for key in ("step_num_seqs", "step_prefill_tokens", "step_decode_tokens"):
                 self._step_sums[key] = self._step_sums.get(key, 0) + message.stats.get(key, 0)
         for out in message.outputs:

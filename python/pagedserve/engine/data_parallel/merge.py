@@ -11,7 +11,7 @@ _STEP_KEYS = ("step_num_seqs", "step_prefill_tokens", "step_decode_tokens")
 
 def merge_stats(per_replica: Sequence[dict], step: dict) -> dict:
     """One engine's stats() from the replicas' latest; `step` holds the step_* sums of the replica steps
-    drained by the last step() call."""
+    drained by the last step() call, and their durations ("replica_step_seconds")."""
     merged: dict = {}
     for stats in per_replica:
         for key, value in stats.items():
@@ -24,6 +24,7 @@ def merge_stats(per_replica: Sequence[dict], step: dict) -> dict:
     merged["prefix_hit_rate"] = merged.get("prefix_hit_blocks", 0) / queried if queried else 0.0
     for key in _STEP_KEYS:
         merged[key] = step.get(key, 0)
+    merged["replica_step_seconds"] = list(step.get("replica_step_seconds", []))
     merged["replicas"] = [dict(s, replica=i) for i, s in enumerate(per_replica)]
     return merged
 

@@ -61,6 +61,7 @@ class Outputs:
     outputs: list  # RequestOutput deltas, prompt stripped
     stats: dict  # engine.stats() after it
     stepped: bool  # a step ran (else only commands were applied): its step_* stats are this step's
+    step_seconds: float = 0.0  # how long that step took
 
 
 @dataclass

@@ -82,15 +82,17 @@ class ReplicaLoop:
                 if isinstance(command, Stop):
                     return 0
                 self._apply(command)
-            outputs, stepped = [], False
+            outputs, stepped, seconds = [], False, 0.0
             if self.engine.has_unfinished_requests():
+                start = time.perf_counter()
                 try:
                     outputs, stepped = self._step(), True
                 except EngineDeadError as err:
                     self._channel.send(Dead(err.who, err.why))
                     return 1
+                seconds = time.perf_counter() - start
             if commands or stepped:
-                self._channel.send(Outputs(outputs, self.engine.stats(), stepped))
+                self._channel.send(Outputs(outputs, self.engine.stats(), stepped, seconds))
 
     def _take(self, block: bool) -> list:
         commands = [self._inbox.get()] if block else []
