@@ -41,12 +41,12 @@ async def collect(stream) -> dict[tuple[int, int], tuple[str, str]]:
     return {k: (texts[k], reasons.get(k)) for k in texts}
 
 
-def run(engine: FakeEngine, body, max_num_waiting: int = 100, metrics=None):
+def run(engine: FakeEngine, body, max_num_waiting: int = 100, metrics=None, on_dead=None):
     """Starts an AsyncEngine over `engine`, runs `body(async_engine)`, shuts down."""
 
     async def main():
         async_engine = AsyncEngine(max_num_waiting)
-        async_engine.start(ProtocolOnly(engine), asyncio.get_running_loop(), metrics)
+        async_engine.start(ProtocolOnly(engine), asyncio.get_running_loop(), metrics, on_dead=on_dead)
         try:
             return await body(async_engine)
         finally:
@@ -319,3 +319,28 @@ def test_the_waiting_bound_counts_sequences_and_refuses_calls_that_can_never_fit
     results = run(engine, body, max_num_waiting=4)
     assert all(r == {(0, j): (expected_text(1, j, 4), "length") for j in range(2)} for r in results)
     assert not engine.has_unfinished_requests()
+
+
+def test_the_idle_loop_asks_the_engine_health_and_a_dead_engine_ends_it():
+    from pagedserve.errors import EngineDeadError
+
+    engine = FakeEngine()
+    deaths = []
+
+    async def body(async_engine):
+        await collect(await async_engine.generate([prompt("ab")], params(3), "r"))
+        steps = len(async_engine.loop_state.steps)
+        await asyncio.sleep(2.5)  # two idle health checks: they record no step
+        assert len(async_engine.loop_state.steps) == steps and async_engine.ready
+        engine.dead = EngineDeadError("rank 1", "gone")
+        for _ in range(40):
+            await asyncio.sleep(0.1)
+            if async_engine.dead_error is not None:
+                break
+        assert async_engine.dead_error is engine.dead and deaths == [engine.dead]
+        assert async_engine.failed and not async_engine.ready
+        with pytest.raises(EngineUnavailable, match="engine failed: rank 1 failed: gone"):
+            await async_engine.generate([prompt("ab")], params(3), "late")
+
+    run(engine, body, on_dead=deaths.append)
+    assert engine.shut_down, "the loop shuts its engine down when it ends"

@@ -255,3 +255,32 @@ def test_a_frozen_replica_turns_health_503_and_ends_the_server_with_status_1():
                 time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_gone(processes: list, timeout: float) -> list[int]:
+    """The pids among `processes` still alive (zombies count as gone) after up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+def test_replicas_leave_when_the_server_is_killed():
+    with ServerProcess("--data-parallel-size", str(NUM_REPLICAS), "--kv-cache-memory-gb", "0.25") as server:
+        replicas = [psutil.Process(r["pid"]) for r in server.engine_state()["replicas"]]
+        server.process.kill()  # no shutdown runs: each replica sees its command pipe end
+        server.process.wait(10)
+        assert not wait_gone(replicas, 10)
+
+
+def test_a_replica_that_cannot_load_fails_the_start_with_its_reason():
+    server = ServerProcess("--data-parallel-size", str(NUM_REPLICAS), "--model", "/nonexistent/model-dir")
+    server.start(wait=False)
+    try:
+        assert server.wait(timeout=120) == 1
+    finally:
+        server.stop()
+    log = server.log()
+    assert "pagedserve: error: the model failed to load:" in log and "/nonexistent/model-dir" in log, log

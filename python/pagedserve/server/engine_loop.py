@@ -104,7 +104,7 @@ class EngineLoop(threading.Thread):
         commands = self._take_commands(block=idle)
         if idle and not commands:
             self.engine.check_health()
-            self._publish()  # an engine of other processes may have news (its blocks freed after aborts)
+            self._publish(stepped=False)  # an engine of other processes may have news (blocks freed by aborts)
             return True
         for i, command in enumerate(commands):
             if isinstance(command, StopCommand):
@@ -114,7 +114,7 @@ class EngineLoop(threading.Thread):
                 return False
             self._apply(command)
         step_seconds = self._step() if self.engine.has_unfinished_requests() else None
-        stats = self._publish()
+        stats = self._publish(stepped=step_seconds is not None)
         if step_seconds is not None and self._observer is not None:
             self._observer.on_step(step_seconds, stats)
         return True
@@ -223,9 +223,9 @@ class EngineLoop(threading.Thread):
             self._observer.on_outputs(outputs)
         return seconds
 
-    def _publish(self) -> dict:
+    def _publish(self, stepped: bool = True) -> dict:
         stats = self.engine.stats()
-        if stats.get("step_num_seqs"):
+        if stepped and stats.get("step_num_seqs"):
             self.state.steps.append(StepRecord(time.time(), int(stats["step_prefill_tokens"]),
                                                int(stats["step_decode_tokens"]), int(stats["step_num_seqs"])))
         self.state.stats = stats
