@@ -2,7 +2,8 @@
 
 FakeEngine implements the server's EngineClient protocol
 (pagedserve/server/engine_client.py) and nothing more: info, add / abort
-returning the final outputs, step, stats and snapshot. It has a byte-level
+returning the final outputs, step, stats, snapshot, check_health and shutdown
+(a step with --fake-dead-prompt's text raises EngineDeadError). It has a byte-level
 "tokenizer" with a trivial chat template, a KV pool of one block per
 `block_size` tokens so aborts and leaks are visible, and a prefix cache that
 reports the whole blocks a prompt shares with an earlier one.

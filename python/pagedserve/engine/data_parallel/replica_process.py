@@ -46,22 +46,32 @@ def replica_main(placement: ReplicaPlacement, config: EngineConfig, commands: Co
     threading.Thread(target=_read_commands, args=(commands, inbox, placement.index), name="replica-commands",
                      daemon=True).start()
     threading.Thread(target=_beat, args=(channel,), name="replica-heartbeat", daemon=True).start()
-    try:
-        from pagedserve.engine.engine import LLMEngine
-        engine = LLMEngine(config.with_updates(data_parallel_size=1, device=placement.device_type))
-    except BaseException as err:  # noqa: BLE001 - whatever it is, the server must hear it and say it
-        if not isinstance(err, ValueError):
-            logger.exception("the model failed to load")
-        channel.send(LoadFailed(f"{type(err).__name__}: {err}" if not isinstance(err, ValueError) else str(err),
-                                isinstance(err, ValueError)))
-        _exit(1)
+    engine = _load_engine(placement, config, channel)
     info = engine.info()
     channel.send(Ready(os.getpid(), dataclasses.replace(info, tokenizer=None), info.tokenizer is not None,
                        list(engine.eos_token_ids), engine.snapshot()["block_size"], engine.stats()))
-    code = ReplicaLoop(engine, inbox, channel).run()
+    try:
+        code = ReplicaLoop(engine, inbox, channel).run()
+    except Exception as err:  # a bug in the loop: say so, rather than leave the server a bare exit status
+        logger.exception("the replica's loop failed")
+        channel.send(Dead("its loop", f"{type(err).__name__}: {err}"))
+        code = 1
     if code == 0:
         engine.shutdown()
     _exit(code)
+
+
+def _load_engine(placement: ReplicaPlacement, config: EngineConfig, channel: "_Channel"):
+    """The replica's LLMEngine (one engine: data_parallel_size 1); a failure is reported and ends the process."""
+    try:
+        from pagedserve.engine.engine import LLMEngine
+        return LLMEngine(config.with_updates(data_parallel_size=1, device=placement.device_type))
+    except BaseException as err:  # noqa: BLE001 - whatever it is, the server must hear it and say it
+        bad_input = isinstance(err, ValueError)  # a bad option or path: the message says it all
+        if not bad_input:
+            logger.exception("the model failed to load")
+        channel.send(LoadFailed(str(err) if bad_input else f"{type(err).__name__}: {err}", bad_input))
+        _exit(1)
 
 
 class ReplicaLoop:
