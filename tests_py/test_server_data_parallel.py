@@ -3,9 +3,11 @@ the official openai client: 32 concurrent chat and completions calls get the gre
 engine gives; requests sharing a long prefix stay on one replica (its prefix-cache hit counter in
 /metrics grows, the other's does not); a disconnect storm leaves every replica's KV blocks free; and a
 replica killed mid-run turns /health 503 within 5 s and ends the server with status 1, its log naming
-the replica, no process left behind.
+the replica, no process left behind. Then, each with a server of its own: a frozen replica (SIGSTOP) is
+found by its silence, replicas leave a server killed with SIGKILL, and a replica that cannot load the
+model fails the start with its reason.
 
-The server is shared by the module's tests; the kill test ends it, so it comes last.
+The first server is shared by the first four tests; the kill test ends it, so it comes fourth.
 """
 
 from __future__ import annotations
