@@ -128,6 +128,7 @@ void DecoderStack::add_layer(const DecoderLayerWeights& layer) {
     require_vector("k_norm", layer.k_norm->weight, s.qk_norm_per_head ? s.head_dim : kv_size, dtype);
   }
   if (layer.cos_sin) require_tensor_of(kOp, "cos_sin", *layer.cos_sin, Device::kCPU, 2, DType::kFloat32);
+  has_qk_norm_ = has_qk_norm_ || layer.q_norm.has_value();
   layers_.push_back(layer);
 }
 
@@ -215,8 +216,9 @@ void DecoderStack::forward(const TensorView& out, const DecoderStep& step, const
   const int64_t tokens = out.size(0);
   const int64_t q_size = shape.num_heads * shape.head_dim;
   const int64_t kv_size = shape.num_kv_heads * shape.head_dim;
-  const int64_t widths[] = {shape.hidden_size, q_size + 2 * kv_size, q_size, kv_size, kv_size, q_size,
-                            kv_size, q_size, 2 * shape.intermediate_size, shape.intermediate_size};
+  const int64_t normed = has_qk_norm_ ? 1 : 0;  // the q/k norm outputs exist only where a layer has them
+  const int64_t widths[] = {shape.hidden_size, q_size + 2 * kv_size, q_size, kv_size, kv_size, normed * q_size,
+                            normed * kv_size, q_size, 2 * shape.intermediate_size, shape.intermediate_size};
   size_t needed = 0;
   for (int64_t width : widths) needed += round_up(static_cast<size_t>(tokens * width * element_size(dtype)));
   if (needed > buffer_bytes_) {
@@ -236,8 +238,8 @@ void DecoderStack::forward(const TensorView& out, const DecoderStep& step, const
   s.q = carve({tokens, heads, d});
   s.k = carve({tokens, kv_heads, d});
   s.v = carve({tokens, kv_heads, d});
-  s.q_normed = carve({tokens, heads, d});
-  s.k_normed = carve({tokens, kv_heads, d});
+  s.q_normed = carve({normed * tokens, heads, d});
+  s.k_normed = carve({normed * tokens, kv_heads, d});
   s.attn = carve({tokens, heads, d});
   s.gate_up = carve({tokens, 2 * shape.intermediate_size});
   s.act = carve({tokens, shape.intermediate_size});

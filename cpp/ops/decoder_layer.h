@@ -116,6 +116,7 @@ class DecoderStack {
   TensorView embedding_;
   NormWeights final_norm_;
   std::vector<DecoderLayerWeights> layers_;
+  bool has_qk_norm_ = false;
 
   std::mutex mutex_;  // guards the scratch buffers during forward
   struct AlignedFree {

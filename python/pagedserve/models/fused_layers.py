@@ -23,8 +23,8 @@ from torch.utils.dlpack import to_dlpack as _dl
 
 from pagedserve import _core
 from pagedserve.models.attention_metadata import AttentionMetadata
-from pagedserve.models.decoder import MLP, DecoderModel
-from pagedserve.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from pagedserve.models.decoder import MLP, Attention, DecoderLayer, DecoderModel
+from pagedserve.models.layers import Embedding, Linear, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul
 from pagedserve.models.linear_kernels import PackedBf16
 
 logger = logging.getLogger("pagedserve")
@@ -88,6 +88,8 @@ def unfusable_reason(model: DecoderModel) -> Optional[str]:
     """Why model's layers must keep the per-op path, or None when the stack can run them."""
     if model.embed_tokens.weight.device.type != "cpu":
         return "the model is not on the CPU"
+    if type(model.embed_tokens) is not Embedding:  # e.g. a vocab-parallel shard, whose lookup all-reduces
+        return f"the embedding is a {type(model.embed_tokens).__name__}"
     if model.embed_scale != 1.0:
         return "the embeddings are scaled"
     if not _plain_rms_norm(model.norm):
@@ -104,6 +106,8 @@ def unfusable_reason(model: DecoderModel) -> Optional[str]:
 
 def _layer_reason(layer) -> Optional[str]:
     attn, mlp = layer.self_attn, layer.mlp
+    if (type(layer), type(attn), type(attn.attn)) != (DecoderLayer, Attention, PagedAttention):
+        return "a subclass of the generic layer, whose forward may differ"
     if layer.placement != "pre" or layer.residual_multiplier != 1.0:
         return f"norm placement {layer.placement!r} with residual multiplier {layer.residual_multiplier}"
     if not (_plain_rms_norm(layer.input_layernorm) and _plain_rms_norm(layer.post_attention_layernorm)):
@@ -113,7 +117,10 @@ def _layer_reason(layer) -> Optional[str]:
         return "its q/k norms are not plain RMSNorms of one eps"
     if type(mlp) is not MLP or type(mlp.act) is not SiluAndMul:
         return "its MLP is not SiLU-gated"
-    formats = {type(linear.kernel) for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)}
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if any(type(linear) is not Linear for linear in linears):  # e.g. a row-parallel shard, which all-reduces
+        return f"its linears are {sorted({type(linear).__name__ for linear in linears})}, not plain Linears"
+    formats = {type(linear.kernel) for linear in linears}
     if len(formats) != 1 or next(iter(formats)) not in _LINEAR_FORMATS:
         names = sorted("float32 weights" if kind is type(None) else kind.__name__ for kind in formats)
         return f"its linears use {', '.join(names)}, not one format the stack runs"
