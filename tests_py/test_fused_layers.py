@@ -206,3 +206,28 @@ def test_bad_inputs_are_clear_errors(case_dir):
         stack(ids, positions, attn, runner.kv_cache)
     with pytest.raises(ValueError, match="DecoderStack: kv_cache must have size"):
         stack(ids - 1, positions, attn, runner.kv_cache[1:])
+
+
+def test_default_model_fused_matches_transformers(default_model_path):
+    """The independent oracle: the packed, fused default model's logits over a prompt and its greedy tokens
+    against transformers' float32 forward (the bf16 checkpoint's weights are exact in the tiles)."""
+    from transformers import AutoModelForCausalLM
+
+    model = packed_model(default_model_path)
+    assert fuse_decoder_layers(model)
+    hf_model = AutoModelForCausalLM.from_pretrained(default_model_path, dtype=torch.float32,
+                                                    local_files_only=True).eval()
+    prompt = prompts_for(model.config.vocab_size, (37,))[0]
+    runner = PagedBatchRunner(model, block_size=16, num_blocks=16)
+    runner.add("s", prompt)
+    ours = [runner.step([("s", len(prompt))])["s"]]
+    for _ in range(4):
+        runner.append("s", int(ours[-1][-1].argmax()))
+        ours.append(runner.step([("s", 1)])["s"])
+    tokens = prompt + [int(logits[-1].argmax()) for logits in ours[:-1]]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([tokens])).logits[0]
+    ours_all = torch.cat(ours)
+    error = ((ours_all.double() - expected.double()).norm() / expected.double().norm()).item()
+    assert error < 1e-4
+    assert torch.equal(ours_all.argmax(-1), expected.argmax(-1))
