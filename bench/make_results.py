@@ -32,7 +32,7 @@ SECTIONS = [
     ("Demos", ["demo_waste*", "demo_latency*", "demo_block_table*", "demo_prefix_sharing*",
                "demo_parallel_sampling*", "demo_preemption*", "demo_*"]),
     ("Serving: OpenAI API under Poisson arrivals", ["serve*"]),
-    ("Decode step: host vs device time", ["step_timing*"]),
+    ("Decode step: host vs device time", ["step_timing*", "step_overhead*"]),
     ("Kernels and CPU ops", ["kernel_bench*", "cpu_ops*", "cpu_dtype*", "sampler_*"]),
     ("Scheduler step cost", ["scheduler*"]),
     ("Numerics: bf16 against transformers and torch SDPA", ["bf16_agreement*", "sdpa_numerics*", "softmax_numerics*",

@@ -42,8 +42,7 @@ def load(out: Path, name: str) -> dict:
 SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py", "perf/kernel_bench.py",
            "perf/scheduler_bench.py", "perf/step_timing.py", "perf/serve_bench.py", "perf/cpu_ops_bench.py",
            "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py", "perf/moe_bench.py",
-           "perf/dp_bench.py",
-           "perf/window_kv_bench.py",
+           "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/sdpa_numerics.py",
            "numerics/norm_numerics.py", "numerics/softmax_numerics.py"]
 
@@ -144,6 +143,15 @@ def test_window_kv_bench_quick(tmp_path):
     assert full["final_blocks_held"] == full["blocks_without_freeing"] > window["peak_blocks_held"]
     assert window["output_tokens"] == full["output_tokens"] == data["max_tokens"]
     assert window["tokens_per_s"] > 0 and full["tokens_per_s"] > 0
+
+
+def test_step_overhead_bench_quick(tmp_path):
+    run_script("perf/step_overhead_bench.py", "--quick", "--out", str(tmp_path))
+    data = load(tmp_path, "step_overhead_default_quick")
+    fused, per_op = data["rows"]
+    assert (fused["path"], per_op["path"]) == ("fused", "per-op") and fused["batch"] == per_op["batch"] == 1
+    assert fused["ms_per_step"] > 0 and per_op["ms_per_step"] > 0 and len(fused["rounds_ms"]) == data["rounds"]
+    assert fused["op_calls"] < 10 < 30 * 10 < per_op["op_calls"], "one call for the layers, ~11 per layer"
 
 
 def test_cpu_op_and_sampler_benches_quick(tmp_path):

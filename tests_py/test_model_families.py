@@ -354,14 +354,19 @@ def test_longrope_across_original_length(name, tmp_path):
     check_against_transformers(case, short + again)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "phi4_mini_partial_longrope", "olmo2", "granite", "phi2_parallel_partial"])
+FUSED_CASES = ("phi4_mini_partial_longrope", "qwen3_qk_norm_bias", "qwen2_window_layers", "smollm3_nope_layers")
+
+
+@pytest.mark.parametrize("name", ["gemma2", "olmo2", "granite", "phi2_parallel_partial", *FUSED_CASES])
 def test_packed_bf16_cpu_path(name, tmp_path):
-    """bf16-exact weights: "auto" packs every linear as bf16 tiles; results as transformers' float32."""
+    """bf16-exact weights: "auto" packs every linear as bf16 tiles; results as transformers' float32. The
+    pre-norm gated-MLP families run every layer as one C++ call (models/fused_layers.py), the others per op."""
     hf_model = hf_family_model(name, bf16_exact=True)
     hf_model.save_pretrained(tmp_path)
     llm = make_llm(tmp_path)
     model = llm.llm_engine.worker.model
     assert all(m.kernel is not None for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head)
+    assert (model.model.fused is not None) is (name in FUSED_CASES)
     check_against_transformers(Case(name, hf_model, tmp_path), run(llm, prompts()[:3], 6))
 
 

@@ -8,6 +8,7 @@ namespace pagedserve::bindings {
 void bind_memory(pybind11::module_& m);     // BlockPool, BlockTable
 void bind_scheduler(pybind11::module_& m);  // Scheduler, StepOutput, stats
 void bind_ops(pybind11::module_& m);        // CPU reference ops
+void bind_decoder_stack(pybind11::module_& m);  // DecoderStack: every decoder layer in one call (CPU)
 #ifdef PAGEDSERVE_WITH_CUDA
 void bind_cuda_ops(pybind11::module_& m);   // CUDA kernels (cuda/bindings/)
 #endif

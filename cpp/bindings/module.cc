@@ -6,6 +6,7 @@ PYBIND11_MODULE(_core, m) {
   pagedserve::bindings::bind_scheduler(m);
   auto ops = m.def_submodule("ops", "CPU reference ops (torch CPU tensors in, via DLPack)");
   pagedserve::bindings::bind_ops(ops);
+  pagedserve::bindings::bind_decoder_stack(ops);
 #ifdef PAGEDSERVE_WITH_CUDA
   auto cuda_ops = m.def_submodule("cuda_ops", "CUDA kernels, launched on the caller's stream");
   pagedserve::bindings::bind_cuda_ops(cuda_ops);

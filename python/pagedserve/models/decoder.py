@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -195,6 +195,11 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, spec, i, self._layer_rotary(config, i), dtype, device)
             for i in range(config.num_layers))
         self.norm = make_norm(config, spec, config.hidden_size, dtype, device)
+        self.fused: Optional[Callable] = None  # all layers in one C++ call (fused_layers.py)
+
+    def use_fused_layers(self, stack: Callable) -> None:
+        """Runs every forward through `stack` (fused_layers.FusedDecoderStack: the same ops in one call)."""
+        self.fused = stack
 
     def _layer_rotary(self, config: ModelConfig, layer: int) -> Optional[RotaryEmbedding]:
         if not config.layer_uses_rope(layer):
@@ -203,6 +208,8 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused(input_ids, positions, attn, kv_cache)
         hidden = self.embed_tokens(input_ids)
         if self.embed_scale != 1.0:
             hidden = hidden * self.embed_scale

@@ -66,7 +66,7 @@ class ModelRunner:
         else:
             input_ids, positions, attn, logits_indices = self.inputs.prepare(step)
             hidden = self.model.forward(input_ids, positions, attn, self.kv_cache)
-        logits = self.model.compute_logits(hidden[logits_indices.long()])
+        logits = self.model.compute_logits(_logit_rows(hidden, logits_indices))
         if prompt_plan is None:
             return logits, None
         step_rows = hidden[torch.tensor(prompt_plan.step_rows, dtype=torch.int64).to(self.device)]
@@ -92,6 +92,15 @@ class ModelRunner:
             ids_t = torch.tensor(ids, dtype=torch.int32).to(self.device)
             parts.append(self.model.forward(ids_t, positions, attn, self.kv_cache))
         return torch.cat(parts)
+
+
+def _logit_rows(hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    """The hidden states of the tokens that sample. The scheduler lists each sampling row's last token in row
+    order (cpp/scheduler.cc), so as many indices as tokens means every token in order (a decode batch): the
+    hidden states themselves, without a gather (about 15 us of a CPU step)."""
+    if logits_indices.shape[0] == hidden.shape[0]:
+        return hidden
+    return hidden[logits_indices.long()]
 
 
 @contextlib.contextmanager

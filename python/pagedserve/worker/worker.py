@@ -18,6 +18,7 @@ from pagedserve import ops
 from pagedserve.engine_config import EngineConfig
 from pagedserve.models import build_model
 from pagedserve.models.cpu_weight_packing import pack_cpu_weights
+from pagedserve.models.fused_layers import fuse_decoder_layers
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.sample.sampler import PendingSamples, Sampler
 from pagedserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
@@ -38,6 +39,8 @@ class Worker:
         baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(mc, device, load_format=config.load_format, seed=config.seed)
         packed = device.type == "cpu" and pack_cpu_weights(self.model, config.cpu_weight_dtype)
+        if packed and config.cpu_fused_layers:
+            fuse_decoder_layers(self.model)
         self.sampler = Sampler(device, mc.vocab_size, eos_token_ids, seed=config.seed)
         self._workspace = ops.paged_attention_workspace(config.max_num_seqs, mc.num_heads, mc.head_dim,
                                                         config.max_model_len, device)
