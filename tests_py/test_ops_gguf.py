@@ -129,3 +129,14 @@ def test_dequantize_rows_rejects_ids_out_of_range():
     blocks = torch.zeros(3, 18, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"ids\[1\] = 3 is outside \[0, 3\)"):
         ops.gguf_dequantize_rows(torch.empty(2, 32), blocks, int(T.Q4_0), torch.tensor([0, 3], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_one_row_equals_that_row_of_a_batch(qtype, cpu_isa):
+    """A decode step (M = 1) may take a path of its own (blocks decoded in registers); its sums run in the
+    same order, so a row's result does not depend on how many rows came with it."""
+    rng = np.random.default_rng(5)
+    k = _k_sizes(qtype)[-1]
+    blocks = make_blocks(qtype, 13, k, rng)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    assert torch.equal(run(x[1:2], blocks, qtype)[0], run(x, blocks, qtype)[1])

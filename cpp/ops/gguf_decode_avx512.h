@@ -34,33 +34,44 @@ PS_AVX512 void store_affine(float* out, __m512i codes, __m512 scale, __m512 min)
   _mm512_storeu_ps(out, _mm512_sub_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(codes)), min));
 }
 
-PS_AVX512 void decode_q8_0_avx512(const uint8_t* b, float* out) {
+// The 32-weight formats decode into two registers (weights 0..15 and 16..31), which the M = 1
+// product multiplies by x directly; decode_*_avx512 store them for the tiled path.
+PS_AVX512 void load_q8_0_avx512(const uint8_t* b, __m512& w0, __m512& w1) {
   const __m512 d = _mm512_set1_ps(half_at(b));
-  for (int half = 0; half < 2; ++half) {
-    const __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * half)));
-    _mm512_storeu_ps(out + 16 * half, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q)));
-  }
+  const auto* q = reinterpret_cast<const __m128i*>(b + 2);
+  w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+  w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
 }
 
-PS_AVX512 void decode_q4_0_avx512(const uint8_t* b, float* out) {
+PS_AVX512 void load_q4_0_avx512(const uint8_t* b, __m512& w0, __m512& w1) {
   const __m512 d = _mm512_set1_ps(half_at(b));
   const __m512i v = bytes_to_i32(b + 2);
   const __m512i eight = _mm512_set1_epi32(8);
   const __m512i low = _mm512_sub_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)), eight);
   const __m512i high = _mm512_sub_epi32(_mm512_srli_epi32(v, 4), eight);
-  _mm512_storeu_ps(out, _mm512_mul_ps(d, _mm512_cvtepi32_ps(low)));
-  _mm512_storeu_ps(out + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(high)));
+  w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(low));
+  w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(high));
 }
 
-PS_AVX512 void decode_q4_1_avx512(const uint8_t* b, float* out) {
+PS_AVX512 void load_q4_1_avx512(const uint8_t* b, __m512& w0, __m512& w1) {
   const __m512 d = _mm512_set1_ps(half_at(b));
   const __m512 m = _mm512_set1_ps(half_at(b + 2));
   const __m512i v = bytes_to_i32(b + 4);
-  const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)));
-  const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_mul_ps(d, low), m));
-  _mm512_storeu_ps(out + 16, _mm512_add_ps(_mm512_mul_ps(d, high), m));
+  w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0f)))), m);
+  w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))), m);
 }
+
+// Block bytes and the register decoder of a 32-weight format.
+template <BlockType kType>
+PS_AVX512 void load_block32_avx512(const uint8_t* blocks, int64_t blk, __m512& w0, __m512& w1) {
+  if constexpr (kType == BlockType::kQ8_0) load_q8_0_avx512(blocks + blk * 34, w0, w1);
+  if constexpr (kType == BlockType::kQ4_0) load_q4_0_avx512(blocks + blk * 18, w0, w1);
+  if constexpr (kType == BlockType::kQ4_1) load_q4_1_avx512(blocks + blk * 20, w0, w1);
+}
+
+template <BlockType kType>
+inline constexpr bool kBlock32 =
+    kType == BlockType::kQ8_0 || kType == BlockType::kQ4_0 || kType == BlockType::kQ4_1;
 
 // Q4_K and Q5_K: sub-block j's 32 low-nibble codes (plus, for Q5_K, the high bit from qh).
 template <bool kHighBit>
@@ -115,9 +126,12 @@ PS_AVX512 void decode_q6_k_avx512(const uint8_t* b, float* out) {
 template <BlockType kType>
 PS_AVX512 void decode_blocks_avx512(const uint8_t* blocks, int64_t count, float* out) {
   for (int64_t blk = 0; blk < count; ++blk) {
-    if constexpr (kType == BlockType::kQ8_0) decode_q8_0_avx512(blocks + blk * 34, out + blk * 32);
-    if constexpr (kType == BlockType::kQ4_0) decode_q4_0_avx512(blocks + blk * 18, out + blk * 32);
-    if constexpr (kType == BlockType::kQ4_1) decode_q4_1_avx512(blocks + blk * 20, out + blk * 32);
+    if constexpr (kBlock32<kType>) {
+      __m512 w0, w1;
+      load_block32_avx512<kType>(blocks, blk, w0, w1);
+      _mm512_storeu_ps(out + blk * 32, w0);
+      _mm512_storeu_ps(out + blk * 32 + 16, w1);
+    }
     if constexpr (kType == BlockType::kQ4_K) {
       const uint8_t* b = blocks + blk * 144;
       decode_k4_avx512<false>(b, nullptr, b + 16, out + blk * 256);

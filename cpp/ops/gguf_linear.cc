@@ -155,9 +155,44 @@ template <int kM = kXRows>
   }
 }
 
+// One row of x (a decode step) against tile t of a 32-weight format: each block is decoded into
+// registers and multiplied straight away, never stored. The sums run in the order dot_tile_avx512
+// adds them (lane l of row r accumulates k = 16 j + l, j ascending), so results do not depend on
+// which path ran.
+template <BlockType kType>
+[[gnu::target("arch=x86-64-v4")]] void row_tile_avx512(const GgufProblem& p, int64_t t, int64_t m) {
+  const float* x = p.x + m * p.in_features;
+  const int64_t valid = p.tile_rows(t);
+  const uint8_t* rows[kTileRows];
+  for (int r = 0; r < kTileRows; ++r) {  // rows past N repeat the last one and are not stored
+    rows[r] = p.blocks + (t * kTileRows + std::min<int64_t>(r, valid - 1)) * p.row_bytes;
+  }
+  __m512 acc[kTileRows];
+#pragma GCC unroll 4
+  for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t blk = 0; blk < p.row_blocks; ++blk) {
+    const __m512 x0 = _mm512_loadu_ps(x + 32 * blk);
+    const __m512 x1 = _mm512_loadu_ps(x + 32 * blk + 16);
+#pragma GCC unroll 4
+    for (int r = 0; r < kTileRows; ++r) {
+      __m512 w0, w1;
+      gguf::load_block32_avx512<kType>(rows[r], blk, w0, w1);
+      acc[r] = _mm512_fmadd_ps(x0, w0, acc[r]);
+      acc[r] = _mm512_fmadd_ps(x1, w1, acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < valid; ++r) p.store(m, t * kTileRows + r, _mm512_reduce_add_ps(acc[r]));
+}
+
 template <BlockType kType>
 [[gnu::target("arch=x86-64-v4")]] void run_tiles_avx512(const GgufProblem& p, int64_t tile_begin, int64_t tile_end,
                                                         int64_t row_begin, int64_t row_end, float* w) {
+  if constexpr (gguf::kBlock32<kType>) {
+    if (row_end - row_begin == 1) {  // decode: nothing to reuse a decoded tile for
+      for (int64_t t = tile_begin; t < tile_end; ++t) row_tile_avx512<kType>(p, t, row_begin);
+      return;
+    }
+  }
   for (int64_t t = tile_begin; t < tile_end; ++t) {
     const int64_t valid = p.tile_rows(t);  // decode_tile, with the AVX-512 decoders
     for (int64_t r = 0; r < valid; ++r) {
