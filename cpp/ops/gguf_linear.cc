@@ -245,27 +245,6 @@ const BlockFormat& check_blocks(std::string_view op, const TensorView& blocks, i
 
 }  // namespace
 
-namespace gguf {
-
-const BlockFormat& block_format(int64_t type, const char* op) {
-  for (const BlockFormat& format : kFormats) {
-    if (static_cast<int64_t>(format.type) == type) return format;
-  }
-  fail_argument(op, "GGUF tensor type " + std::to_string(type) + " is not supported; supported: " +
-                        supported_type_names());
-}
-
-std::string supported_type_names() {
-  std::string names;
-  for (const BlockFormat& format : kFormats) {
-    if (!names.empty()) names += ", ";
-    names += std::string(format.name) + " (" + std::to_string(static_cast<int>(format.type)) + ")";
-  }
-  return names;
-}
-
-}  // namespace gguf
-
 void gguf_linear(const TensorView& out, const TensorView& x, const TensorView& blocks, int64_t type,
                  const std::optional<TensorView>& bias) {
   constexpr std::string_view op = "gguf_linear";
