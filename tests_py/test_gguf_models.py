@@ -43,10 +43,15 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
         .reshape(weight.shape)
 
 
-def write_tiny_gguf(path: Path, hf_model, linear_types: dict[str, T], embed_type: T, output_type) -> Path:
-    """hf_model as a llama GGUF: linears of the given types (default Q8_0), norms F32; output_type None = tied."""
+def write_tiny_gguf(path: Path, hf_model, linear_types: dict[str, T], embed_type: T, output_type,
+                    arch: str = "llama") -> Path:
+    """hf_model as a GGUF of ``arch``: linears of the given types (default Q8_0), norms and biases F32;
+    output_type None = tied. Only llama's q/k rows are permuted, as llama.cpp's converter does."""
     config = hf_model.config
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
+    if arch == "qwen3":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -70,15 +75,20 @@ def write_tiny_gguf(path: Path, hf_model, linear_types: dict[str, T], embed_type
     add("output_norm.weight", state["model.norm.weight"], None)
     if output_type is not None:
         add("output.weight", state["lm_head.weight"], output_type)
+    names = dict(_GGUF_NAMES, **({"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+                                 if arch == "qwen3" else {}))
     for layer in range(config.num_hidden_layers):
-        for ours, theirs in _GGUF_NAMES.items():
+        for ours, theirs in names.items():
             weight = state[f"model.layers.{layer}.{ours}.weight"]
-            if ours == "self_attn.q_proj":
+            if arch == "llama" and ours == "self_attn.q_proj":
                 weight = torch.from_numpy(llama_cpp_permute(weight.numpy(), config.num_attention_heads))
-            if ours == "self_attn.k_proj":
+            if arch == "llama" and ours == "self_attn.k_proj":
                 weight = torch.from_numpy(llama_cpp_permute(weight.numpy(), config.num_key_value_heads))
             qtype = None if weight.dim() == 1 else linear_types.get(theirs, T.Q8_0)
             add(f"blk.{layer}.{theirs}.weight", weight, qtype)
+            bias = state.get(f"model.layers.{layer}.{ours}.bias")
+            if bias is not None:
+                add(f"blk.{layer}.{theirs}.bias", bias, None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -142,6 +152,29 @@ def test_tiny_gguf_matches_transformers_on_the_same_file(case, tmp_path, monkeyp
         print(f"\n{case} {name}: logits relative error vs transformers {error:.2e}")
         assert error < 1e-4, name
     assert greedy(ours, PROMPTS["a"], 12) == hf_greedy(oracle, PROMPTS["a"], 12)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_tiny_qwen_gguf_matches_transformers(arch, tmp_path):
+    """qwen2 (q/k/v biases) and qwen3 (q/k norms): no rope permutation in their files."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config_cls = transformers.Qwen2Config if arch == "qwen2" else transformers.Qwen3Config
+    extra = dict(head_dim=16) if arch == "qwen3" else {}
+    source = make_hf_model(config_cls, seed=7, tie_word_embeddings=True, **TINY, **extra)
+    path = write_tiny_gguf(tmp_path / f"{arch}.gguf", source, dict(ffn_up=T.Q4_1), T.Q8_0, None, arch=arch)
+    # transformers 5.23 maps no qwen3.attention.key_length to head_dim (it would take Qwen3Config's 128).
+    oracle = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32,
+                                                  **extra).eval()
+    ours = ours_from(gguf_model_dir(path, tmp_path / "cache"))
+    assert ours.config.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    logits = run_prompts(ours)
+    for name, ids in PROMPTS.items():
+        with torch.no_grad():
+            expected = oracle(torch.tensor([ids])).logits[0]
+        assert relative_error(logits[name], expected) < 1e-4, name
+    assert greedy(ours, PROMPTS["b"], 8) == hf_greedy(oracle, PROMPTS["b"], 8)
 
 
 def test_tiny_gguf_through_the_engine(tmp_path, monkeypatch):
