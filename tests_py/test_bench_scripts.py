@@ -43,6 +43,7 @@ SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py"
            "perf/scheduler_bench.py", "perf/step_timing.py", "perf/serve_bench.py", "perf/cpu_ops_bench.py",
            "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py", "perf/moe_bench.py",
            "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py",
+           "perf/gguf_bench.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/sdpa_numerics.py",
            "numerics/norm_numerics.py", "numerics/softmax_numerics.py"]
 
@@ -82,6 +83,14 @@ def test_throughput_quick(tmp_path):
         assert r["output_tok_s"] > 0 and r["ms_per_output_token"] > 0
         if r["engine"] == "pagedserve":
             assert 0 < r["kv_peak_used_gib"] <= r["kv_pool_gib"]
+
+
+def test_gguf_bench_quick(tmp_path):
+    run_script("perf/gguf_bench.py", "--quick", "--out", str(tmp_path))
+    data = load(tmp_path, "gguf_quick")
+    assert {r["format"] for r in data["kernels"]} == {"bf16 tiles", "Q4_1", "Q8_0"}
+    assert all(r["gb_s"] > 0 for r in data["kernels"])
+    assert set(data["decode"]["ms_per_token"]) == {"Q4_1 GGUF", "bf16"}
 
 
 def test_memory_bench_quick(tmp_path):

@@ -10,6 +10,7 @@
 #include "bindings.h"
 #include "bindings/op_binding.h"
 #include "ops/cpu_isa.h"
+#include "ops/gguf_ops.h"
 #include "ops/ops.h"
 #include "ops/tensor_view.h"
 
@@ -125,6 +126,14 @@ void bind_ops(py::module_& m) {
   def_op<kRelease>(m, "packed_grouped_linear", &ops::packed_grouped_linear,
                    "grouped_linear in float32 with packed bf16 expert weights; x [R, K], out [R, N] float32.",
                    py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("expert_offsets"));
+
+  def_op<kRelease>(m, "gguf_linear", &ops::gguf_linear,
+                   "out = x W^T (+ bias) in float32, W as GGUF blocks [N, row_bytes] uint8 of ggml type `type` "
+                   "(cpp/ops/gguf_ops.h); x [M, K], out [M, N] with contiguous rows.",
+                   py::arg("out"), py::arg("x"), py::arg("blocks"), py::arg("type"), py::arg("bias") = py::none());
+  def_op<kRelease>(m, "gguf_dequantize_rows", &ops::gguf_dequantize_rows,
+                   "out[r] = row ids[r] of the GGUF blocks [N, row_bytes] of ggml type `type`, as float32 [R, K].",
+                   py::arg("out"), py::arg("blocks"), py::arg("type"), py::arg("ids"));
 
   m.def("set_num_threads", &ops::set_num_threads, py::arg("num_threads"),
         "Threads the CPU ops may use (the caller's thread included).");

@@ -50,8 +50,9 @@ DType dtype_from_dlpack(const DLDataType& type) {
   if (type.code == kDLBfloat && type.bits == 16) return DType::kBFloat16;
   if (type.code == kDLInt && type.bits == 32) return DType::kInt32;
   if (type.code == kDLInt && type.bits == 64) return DType::kInt64;
+  if (type.code == kDLUInt && type.bits == 8) return DType::kUInt8;
   fail("view_from_dlpack",
-       "unsupported dtype " + dlpack_dtype_name(type) + "; expected float32, float16, bfloat16, int32 or int64");
+       "unsupported dtype " + dlpack_dtype_name(type) + "; expected float32, float16, bfloat16, int32, int64 or uint8");
 }
 
 Device device_from_dlpack(const DLDevice& device) {
@@ -76,6 +77,7 @@ std::string_view dtype_name(DType dtype) {
     case DType::kBFloat16: return "bfloat16";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kUInt8: return "uint8";
   }
   return "unknown";
 }
@@ -87,6 +89,7 @@ int element_size(DType dtype) {
     case DType::kFloat16:
     case DType::kBFloat16: return 2;
     case DType::kInt64: return 8;
+    case DType::kUInt8: return 1;
   }
   return 0;
 }

@@ -12,7 +12,7 @@
 
 namespace pagedserve::ops {
 
-enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16, kInt32, kInt64 };
+enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kUInt8 };  // kUInt8: raw bytes (GGUF blocks)
 enum class Device : uint8_t { kCPU, kCUDA };
 
 std::string_view dtype_name(DType dtype);

@@ -39,6 +39,8 @@ __all__ = [
     "packed_linear",
     "pack_grouped_weight",
     "packed_grouped_linear",
+    "gguf_linear",
+    "gguf_dequantize_rows",
 ]
 
 
@@ -214,6 +216,19 @@ def packed_grouped_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: tor
     """grouped_linear on the CPU in float32 with weights from pack_grouped_weight: each expert's rows
     expert_offsets[e]:expert_offsets[e + 1] of x [R, K] through packed_linear into out [R, N] (float32)."""
     _cpu_ops.packed_grouped_linear(_dl(out), _dl(x), _dl(packed_weight), _dl(expert_offsets))
+
+
+def gguf_linear(out: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
+                bias: Optional[torch.Tensor] = None) -> None:
+    """out = x W^T (+ bias) in float32 on the CPU, W kept as GGUF blocks [N, row_bytes] uint8 of ggml type
+    ``ggml_type`` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; cpp/ops/gguf_blocks.h). x [M, K] float32; out [M, N]
+    float32 with contiguous rows (a column slice of a wider tensor is fine)."""
+    _cpu_ops.gguf_linear(_dl(out), _dl(x), _dl(blocks), int(ggml_type), None if bias is None else _dl(bias))
+
+
+def gguf_dequantize_rows(out: torch.Tensor, blocks: torch.Tensor, ggml_type: int, ids: torch.Tensor) -> None:
+    """out[r] = row ids[r] of GGUF blocks [N, row_bytes] uint8, decoded to float32. out [R, K]; ids [R] int32/int64."""
+    _cpu_ops.gguf_dequantize_rows(_dl(out), _dl(blocks), int(ggml_type), _dl(ids))
 
 
 def set_num_threads(num_threads: int) -> None:

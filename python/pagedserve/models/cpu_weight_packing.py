@@ -33,9 +33,14 @@ def is_bf16_exact(weight: torch.Tensor) -> bool:
 
 
 def _layer_linears(model: nn.Module) -> list[tuple[str, Linear]]:
-    """The decoder's linears (the LM head, tied or not, is packed by the model itself)."""
+    """The decoder's linears still holding a float weight (a GGUF model's quantized ones already run a
+    kernel; the LM head, tied or not, is packed by the model itself)."""
     return [(name, module) for name, module in model.named_modules()
-            if isinstance(module, Linear) and module is not model.lm_head]
+            if isinstance(module, Linear) and module is not model.lm_head and module.kernel is None]
+
+
+def _lm_head(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [] if model.lm_head_kernel is not None else [("lm_head", model.lm_head_weight())]
 
 
 def _grouped_weight_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -48,8 +53,7 @@ def _packable(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, weight) of every matrix the step multiplies by: linears, expert stacks and the LM head."""
     grouped = [(f"{name}.{leaf}", weight) for name, module in _grouped_weight_modules(model)
                for leaf, weight in module.packable_matrices()]
-    return ([(name, linear.weight) for name, linear in _layer_linears(model)] + grouped
-            + [("lm_head", model.lm_head_weight())])
+    return [(name, linear.weight) for name, linear in _layer_linears(model)] + grouped + _lm_head(model)
 
 
 def pack_cpu_weights(model: nn.Module, mode: str = "auto") -> bool:
@@ -57,9 +61,11 @@ def pack_cpu_weights(model: nn.Module, mode: str = "auto") -> bool:
     if mode not in CPU_WEIGHT_DTYPES:
         raise ValueError(f"cpu_weight_dtype {mode!r} is not supported; use one of {', '.join(CPU_WEIGHT_DTYPES)}")
     config = model.config
-    if mode == "float32" or config.dtype != torch.float32 or model.lm_head_weight().device.type != "cpu":
+    if mode == "float32" or config.dtype != torch.float32 or next(model.parameters()).device.type != "cpu":
         return False
     matrices = _packable(model)
+    if not matrices:  # every matrix already runs a CPU kernel (a GGUF model's blocks)
+        return True
     if mode == "auto":
         inexact = next((name for name, weight in matrices if not is_bf16_exact(weight)), None)
         if inexact is not None:
@@ -69,7 +75,8 @@ def pack_cpu_weights(model: nn.Module, mode: str = "auto") -> bool:
         linear.pack()
     for _, module in _grouped_weight_modules(model):
         module.pack()
-    model.pack_lm_head()
+    if model.lm_head_kernel is None:
+        model.pack_lm_head()
     logger.info("packed %d CPU weight matrices as bf16 tiles (%s)", len(matrices),
                 "lossless" if mode == "auto" else "rounded")
     return True

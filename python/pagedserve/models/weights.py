@@ -28,6 +28,8 @@ from torch import nn
 
 from pagedserve.models.checkpoint_files import (INDEX_FILE, SINGLE_FILE, CheckpointReader, MissingTensorError,
                                                 checkpoint_files, checkpoint_tensor_names)
+from pagedserve.models.gguf_model_dir import gguf_source
+from pagedserve.models.gguf_weights import load_gguf_weights
 
 # Checkpoint tensors that carry no information for us (recomputed buffers).
 _HARMLESS_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -53,6 +55,10 @@ def load_weights(model: nn.Module, model_dir: Optional[Path], load_format: str =
             return
         if model_dir is None:
             raise ValueError(f"load_format {load_format!r} needs a model directory (the config has none)")
+        gguf_path = gguf_source(Path(model_dir))
+        if gguf_path is not None:  # a .gguf model: its blocks, not a checkpoint (gguf_weights.py)
+            load_gguf_weights(model, gguf_path)
+            return
         load_checkpoint_weights(model, Path(model_dir), load_format)
 
 

@@ -1,0 +1,143 @@
+"""GGUF on the CPU: the block kernels' weight bandwidth and a batch-1 decode step, Q4_1 GGUF vs bf16.
+
+Kernels: ops.gguf_linear at M = 1 (a decode step's product) on SmolLM2-135M's shapes (the tied
+LM head 49152 x 576, the merged gate/up 3072 x 576, down 576 x 1536) for each block format,
+reported as GB/s of weight bytes streamed, beside the bf16 tiles (ops.packed_linear) the bf16
+model runs.
+
+Decode: the default model from its shipped Q4_1 GGUF (blocks kept) and from the bf16 directory
+converted from it, one request generating N tokens greedily, the two engines interleaved round by
+round so a busy machine slows both alike; ms per generated token and their ratio.
+
+    PYTHONPATH=python python bench/perf/gguf_bench.py [--repeats 30] [--rounds 5] [--tokens 64]
+    python bench/perf/gguf_bench.py --quick     # few repeats and tokens: checks the script works
+
+Writes bench/results/gguf.json and bench/results/gguf.md.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import arg_parser, save  # noqa: E402
+
+from pagedserve import ops  # noqa: E402
+
+SHAPES = {"lm_head": (49152, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def random_blocks(type_name: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """Valid blocks of the format (quantized from noise where the gguf package can, else random bytes with
+    small float16 scales: the kernel's speed does not depend on the values)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[type_name]
+    if type_name in ("Q4_0", "Q4_1", "Q8_0"):
+        return torch.from_numpy(quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype))
+    elems, nbytes = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
+    scales = np.full((n, k // elems, 1), 0.01, dtype=np.float16).view(np.uint8)
+    for offset in ((208,) if type_name == "Q6_K" else (0, 2)):
+        blocks[:, :, offset:offset + 2] = scales
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def bench_kernels(formats: list[str], repeats: int) -> list[dict]:
+    from gguf import GGMLQuantizationType
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for shape_name, (n, k) in SHAPES.items():
+        x = torch.randn(1, k)
+        out = torch.empty(1, n)
+        packed = ops.pack_linear_weight(torch.randn(n, k))
+        seconds = median_seconds(lambda: ops.packed_linear(out, x, packed), repeats)
+        rows.append(dict(shape=shape_name, n=n, k=k, format="bf16 tiles", us=round(seconds * 1e6, 1),
+                         weight_mb=round(packed.numel() * 2 / 1e6, 2), gb_s=round(packed.numel() * 2 / seconds / 1e9, 2)))
+        for type_name in formats:
+            blocks = random_blocks(type_name, n, k, rng)
+            qtype = int(GGMLQuantizationType[type_name])
+            seconds = median_seconds(lambda: ops.gguf_linear(out, x, blocks, qtype), repeats)
+            rows.append(dict(shape=shape_name, n=n, k=k, format=type_name, us=round(seconds * 1e6, 1),
+                             weight_mb=round(blocks.numel() / 1e6, 2), gb_s=round(blocks.numel() / seconds / 1e9, 2)))
+    return rows
+
+
+def bench_decode(rounds: int, tokens: int) -> dict:
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.models.default_model import default_gguf_path, default_model_dir
+
+    engines = {"Q4_1 GGUF": LLM(model=str(default_gguf_path()), kv_cache_memory_gb=0.25),
+               "bf16": LLM(model=str(default_model_dir()), kv_cache_memory_gb=0.25)}
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for llm in engines.values():  # warm up
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    samples: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, llm in engines.items():
+            start = time.perf_counter()
+            llm.generate([PROMPT], params, use_tqdm=False)
+            samples[name].append((time.perf_counter() - start) / tokens * 1e3)
+    ms = {name: statistics.median(values) for name, values in samples.items()}
+    ratios = [b / q for q, b in zip(samples["Q4_1 GGUF"], samples["bf16"])]
+    return dict(tokens=tokens, rounds=rounds, ms_per_token={k: round(v, 3) for k, v in ms.items()},
+                tok_s={k: round(1e3 / v, 1) for k, v in ms.items()},
+                bf16_over_gguf_time_ratio=round(statistics.median(ratios), 3))
+
+
+def to_markdown(kernels: list[dict], decode: dict, note: str) -> str:
+    lines = ["# GGUF kernels and decode (CPU)", "", note, "",
+             "## ops.gguf_linear at M = 1 (weight bytes streamed per second)", "",
+             "| shape | N x K | format | us | weight MB | GB/s |", "|---|---|---|---:|---:|---:|"]
+    lines += [f"| {r['shape']} | {r['n']} x {r['k']} | {r['format']} | {r['us']} | {r['weight_mb']} | {r['gb_s']} |"
+              for r in kernels]
+    lines += ["", f"## Decode at batch 1, SmolLM2-135M-Instruct ({decode['tokens']} tokens, {decode['rounds']} "
+                  "interleaved rounds)", "", "| weights | ms / token | tok/s |", "|---|---:|---:|"]
+    lines += [f"| {name} | {decode['ms_per_token'][name]} | {decode['tok_s'][name]} |" for name in decode["ms_per_token"]]
+    lines += ["", f"bf16 time / GGUF time, median over rounds: {decode['bf16_over_gguf_time_ratio']}", ""]
+    return "\n".join(lines)
+
+
+def main():
+    parser = arg_parser(__doc__, "3 repeats, Q4_1 and Q8_0 only, 8 tokens in 1 round: checks the script works")
+    parser.add_argument("--repeats", type=int, default=None, help="kernel timings per point (default 30; --quick 3)")
+    parser.add_argument("--rounds", type=int, default=None, help="interleaved decode rounds (default 5; --quick 1)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per decode run (default 64; --quick 8)")
+    parser.add_argument("--note", default="", help="a line added to the markdown (e.g. about the machine's load)")
+    args = parser.parse_args()
+    repeats = args.repeats or (3 if args.quick else 30)
+    formats = ["Q4_1", "Q8_0"] if args.quick else FORMATS
+    with torch.inference_mode():
+        kernels = bench_kernels(formats, repeats)
+    for r in kernels:
+        print(f"{r['shape']:8} {r['n']:>6} x {r['k']:<5} {r['format']:10} {r['us']:>9} us {r['gb_s']:>7} GB/s")
+    decode = bench_decode(args.rounds or (1 if args.quick else 5), args.tokens or (8 if args.quick else 64))
+    print(decode)
+    path = save("gguf" + ("_quick" if args.quick else ""), dict(device="cpu", threads=ops.num_threads(),
+                                                                kernels=kernels, decode=decode),
+                to_markdown(kernels, decode, args.note), args.out)
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

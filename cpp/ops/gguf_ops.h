@@ -1,0 +1,29 @@
+// CPU ops over GGUF quantized weights kept as the file's raw blocks
+// (formats in gguf_blocks.h): a matrix product that decodes the weights tile
+// by tile as it goes, and a row lookup for quantized embedding tables.
+//
+// blocks: [N, row_bytes] uint8, row n = output feature n (one embedding row),
+// its K / block_elems blocks along K; type: the ggml type number (2 Q4_0,
+// 3 Q4_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K). Arithmetic is float32. Bad
+// arguments (an unsupported type, a row_bytes that does not match K) throw
+// std::invalid_argument.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "ops/tensor_view.h"
+
+namespace pagedserve::ops {
+
+// out = x W^T (+ bias), W as GGUF blocks.
+// x: [M, K] float32, contiguous; out: [M, N] float32 with contiguous rows (its
+// row stride may exceed N: a column slice of a wider output); bias: [N] float32.
+void gguf_linear(const TensorView& out, const TensorView& x, const TensorView& blocks, int64_t type,
+                 const std::optional<TensorView>& bias);
+
+// out[r] = row ids[r] of W, decoded.  out: [R, K] float32; ids: [R] int32 or int64,
+// each in [0, N).
+void gguf_dequantize_rows(const TensorView& out, const TensorView& blocks, int64_t type, const TensorView& ids);
+
+}  // namespace pagedserve::ops
