@@ -58,6 +58,7 @@ class Worker:
         # Packed weights: every matrix product runs in our ops' pool; torch keeps only light work.
         self.runner = ModelRunner(self.model, kv_cache, self.sampler, inputs, graphs=graphs,
                                   torch_threads=1 if packed else None)
+        self.runner.heap.trim()  # what loading and packing freed
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens (%.2f GiB, %s), max_model_len %d",
                     mc.model_dir.name if mc.model_dir else mc.architecture, device, mc.dtype, plan.num_blocks,
                     plan.block_size, kv_cache.numel() * kv_cache.element_size() / 2**30, plan.dtype,
