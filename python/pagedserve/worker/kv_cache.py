@@ -14,8 +14,11 @@ Dtype (EngineConfig.kv_cache_dtype, decided by kv_cache_dtype() and nowhere else
         float32 model halves the bytes attention streams and the KV memory: keys
         and values are rounded to bf16 (nearest even) as they are written and
         widened back exactly as they are read; scores and sums stay float32.
-        Measured on SmolLM2-135M (bench/perf/cpu_serving_bench.py --accuracy):
-        see the report in bench/results/.
+        Measured on SmolLM2-135M (32 agreement prompts, 64 greedy tokens, float32
+        model): 31/32 continuations identical with a bf16 and a float32 cache (the
+        other diverges at token 62), sampled-token logprobs differ by 2.8e-3 on
+        average (5.3e-2 at most); the first token matches transformers float32 on
+        32/32 prompts either way (bench/perf/cpu_serving_bench.py --accuracy).
 """
 
 from __future__ import annotations
