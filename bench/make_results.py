@@ -27,6 +27,7 @@ from common.report import RAW, RESULTS_DIR, header_line, markdown_table  # noqa:
 # (section title, file-name patterns), in the order RESULTS.md shows them.
 SECTIONS = [
     ("Throughput vs concurrency", ["throughput_*", "cpu_throughput_*"]),
+    ("CPU serving: each CPU mode against transformers", ["cpu_serving*"]),
     ("KV memory: paged vs contiguous", ["memory*"]),
     ("Standard workload: long sequences", ["long_workload*"]),
     ("Demos", ["demo_waste*", "demo_latency*", "demo_block_table*", "demo_prefix_sharing*",

@@ -43,7 +43,7 @@ SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py"
            "perf/scheduler_bench.py", "perf/step_timing.py", "perf/serve_bench.py", "perf/cpu_ops_bench.py",
            "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py", "perf/moe_bench.py",
            "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py",
-           "perf/gguf_bench.py",
+           "perf/gguf_bench.py", "perf/cpu_serving_bench.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/sdpa_numerics.py",
            "numerics/norm_numerics.py", "numerics/softmax_numerics.py"]
 
@@ -161,6 +161,21 @@ def test_step_overhead_bench_quick(tmp_path):
     assert (fused["path"], per_op["path"]) == ("fused", "per-op") and fused["batch"] == per_op["batch"] == 1
     assert fused["ms_per_step"] > 0 and per_op["ms_per_step"] > 0 and len(fused["rounds_ms"]) == data["rounds"]
     assert fused["op_calls"] < 10 < 30 * 10 < per_op["op_calls"], "one call for the layers, ~11 per layer"
+def test_cpu_serving_bench_quick(tmp_path):
+    run_script("perf/cpu_serving_bench.py", "--quick", "--out", str(tmp_path), timeout=600)
+    data = load(tmp_path, "cpu_serving_quick")
+    assert "transformers" in data["versions"], "a run against transformers records its version"
+    assert (tmp_path / "cpu_serving_quick.png").stat().st_size > 0
+    modes = {m["mode"]: m for m in data["modes"]}
+    assert {"pagedserve float32", "transformers bf16"} <= set(modes)
+    assert modes["pagedserve float32"]["kv_dtype"] == "float32" and modes["pagedserve float32"]["ops_isa"]
+    if "pagedserve bf16-kv" in modes:
+        assert modes["pagedserve bf16-kv"]["kv_dtype"] == "bfloat16"
+    for r in data["rows"]:
+        assert r["output_tok_s"] > 0 and r["serving_rss_mib"] > 0 and r["batch"] in (1, 4)
+        if r["mode"] != "pagedserve float32":
+            assert r["x_vs_float32"] > 0
+    assert all(m["ttft_s"] > 0 and m["peak_rss_mib"] > 0 for m in modes.values())
 
 
 def test_cpu_op_and_sampler_benches_quick(tmp_path):

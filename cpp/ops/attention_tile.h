@@ -45,13 +45,15 @@ struct AttentionWorkItem {
   int32_t q_end;
 };
 
-// The step's tensors as typed pointers plus the sizes the kernel needs.
-template <typename T>
+// The step's tensors as typed pointers plus the sizes the kernel needs. T is
+// the query/output type (the model's), C the cache's: T, or bf16 under
+// float32 queries (a bf16 KV cache, widened to float32 as it is read).
+template <typename T, typename C = T>
 struct AttentionBatch {
   T* out;
   const T* query;
-  const T* key_cache;
-  const T* value_cache;
+  const C* key_cache;
+  const C* value_cache;
   const int32_t* block_tables;
   const int32_t* query_start_loc;
   const int32_t* seq_lens;
@@ -105,15 +107,15 @@ inline constexpr int kLaneCount = 16;
 // Points key_rows/value_rows at positions [first, first + count) of the
 // sequence with block table `table`: straight into a float32 cache, or into
 // scratch after conversion.
-template <typename T>
-PS_ALWAYS_INLINE void load_kv_tile(const AttentionBatch<T>& b, const int32_t* table, int64_t kv_head, int64_t first,
+template <typename T, typename C>
+PS_ALWAYS_INLINE void load_kv_tile(const AttentionBatch<T, C>& b, const int32_t* table, int64_t kv_head, int64_t first,
                                    int count, AttentionScratch& s) {
   const int64_t d_size = b.head_dim;
   for (int j = 0; j < count; ++j) {
     const int64_t pos = first + j;
     const int64_t offset = kv_cache_offset(table[pos / b.block_size], kv_head, pos % b.block_size, b.kv_heads,
                                            b.block_size, d_size);
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<C, float>) {
       s.key_rows[j] = b.key_cache + offset;
       s.value_rows[j] = b.value_cache + offset;
     } else {
@@ -233,8 +235,8 @@ PS_ALWAYS_INLINE void fold_values(AttentionScratch& s, int64_t rows, int64_t d_s
 
 }  // namespace attention_detail
 
-template <typename T>
-PS_ALWAYS_INLINE void attend_work_item(const AttentionBatch<T>& b, const AttentionWorkItem& item,
+template <typename T, typename C>
+PS_ALWAYS_INLINE void attend_work_item(const AttentionBatch<T, C>& b, const AttentionWorkItem& item,
                                        AttentionScratch& s) {
   const int64_t d_size = b.head_dim;
   const int64_t group = b.group();
@@ -259,10 +261,14 @@ PS_ALWAYS_INLINE void attend_work_item(const AttentionBatch<T>& b, const Attenti
   }
 
   // From the first row's window start (the earliest any row sees) to the last row.
+  // Tiles end at multiples of kKeyTile whatever that start is, so a row meets
+  // the same tile boundaries, hence rounds the same, however the queries were
+  // grouped into items (chunked prefill, batch composition): batch invariance.
   const int64_t context_begin = b.options.first_visible(first_position + item.q_begin);
   const int64_t context_end = first_position + item.q_end;
-  for (int64_t first = context_begin; first < context_end; first += kKeyTile) {
-    const int count = static_cast<int>(std::min<int64_t>(kKeyTile, context_end - first));
+  for (int64_t first = context_begin, next = 0; first < context_end; first = next) {
+    next = std::min<int64_t>(context_end, (first / kKeyTile + 1) * kKeyTile);
+    const int count = static_cast<int>(next - first);
     attention_detail::load_kv_tile(b, table, item.kv_head, first, count, s);
     attention_detail::score_tile(s, rows, d_size, count);
     if (b.options.softcap > 0.0f) attention_detail::softcap_tile(s, rows, b.options.softcap);

@@ -1,15 +1,35 @@
 // Writes into and copies within the paged KV cache (layout: kv_cache_layout.h).
 //
-// Both ops move whole head_dim rows or whole blocks of one dtype, so they
-// copy bytes and need no float dispatch.
+// Both ops move whole head_dim rows or whole blocks, so where the cache has
+// the inputs' dtype they copy bytes and need no float dispatch. The one
+// conversion: float32 keys and values into a bf16 cache (a bf16 KV cache on
+// the CPU), rounded to nearest even as the rows are written.
 #include <cstring>
 
+#include "ops/cpu_isa.h"
+#include "ops/float_types.h"
 #include "ops/kv_cache_layout.h"
 #include "ops/op_contracts.h"
 #include "ops/ops.h"
 #include "ops/parallel.h"
 
 namespace pagedserve::ops {
+namespace {
+
+// Copies one head_dim row into the cache: bytes, or float32 rounded to bf16.
+template <bool kToBf16>
+PS_ALWAYS_INLINE void store_row(char* dst, const char* src, int64_t head_dim, size_t row_bytes) {
+  if constexpr (kToBf16) {
+    const auto* in = reinterpret_cast<const float*>(src);
+    auto* out = reinterpret_cast<BFloat16*>(dst);
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = float_to_bf16(in[d]);
+  } else {
+    std::memcpy(dst, src, row_bytes);
+  }
+}
+
+}  // namespace
+
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping) {
   check_reshape_and_cache(Device::kCPU, key, value, key_cache, value_cache, slot_mapping);
@@ -17,15 +37,16 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   const int64_t kv_heads = key.size(1);
   const int64_t head_dim = key.size(2);
   const int64_t block_size = key_cache.size(2);
-  const int64_t element_bytes = element_size(key.dtype);
-  const auto row_bytes = static_cast<size_t>(head_dim * element_bytes);
+  const int64_t in_bytes = element_size(key.dtype);
+  const int64_t cache_bytes = element_size(key_cache.dtype);
+  const auto row_bytes = static_cast<size_t>(head_dim * in_bytes);
   const auto* key_bytes = static_cast<const char*>(key.data);
   const auto* value_bytes = static_cast<const char*>(value.data);
   auto* key_cache_bytes = static_cast<char*>(key_cache.data);
   auto* value_cache_bytes = static_cast<char*>(value_cache.data);
   const int32_t* slots = slot_mapping.ptr<int32_t>();
 
-  parallel_for_range(tokens, 2 * kv_heads * head_dim, [&](int64_t begin, int64_t end) {
+  const auto write_rows = [&]<bool kToBf16>(int64_t begin, int64_t end) PS_INLINE_BODY {
     for (int64_t t = begin; t < end; ++t) {
       if (slots[t] == kPadSlot) continue;
       const int64_t block = slots[t] / block_size;
@@ -33,10 +54,18 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
       for (int64_t h = 0; h < kv_heads; ++h) {
         const auto src = static_cast<size_t>(t * kv_heads + h) * row_bytes;
         const auto dst =
-            static_cast<size_t>(kv_cache_offset(block, h, offset, kv_heads, block_size, head_dim) * element_bytes);
-        std::memcpy(key_cache_bytes + dst, key_bytes + src, row_bytes);
-        std::memcpy(value_cache_bytes + dst, value_bytes + src, row_bytes);
+            static_cast<size_t>(kv_cache_offset(block, h, offset, kv_heads, block_size, head_dim) * cache_bytes);
+        store_row<kToBf16>(key_cache_bytes + dst, key_bytes + src, head_dim, row_bytes);
+        store_row<kToBf16>(value_cache_bytes + dst, value_bytes + src, head_dim, row_bytes);
       }
+    }
+  };
+  const bool to_bf16 = key_cache.dtype != key.dtype;  // the contract admits only float32 -> bf16
+  parallel_for_range(tokens, 2 * kv_heads * head_dim, [&](int64_t begin, int64_t end) {
+    if (to_bf16) {
+      with_cpu_isa([&]() PS_INLINE_BODY { write_rows.template operator()<true>(begin, end); });
+    } else {
+      write_rows.template operator()<false>(begin, end);
     }
   });
 }

@@ -15,8 +15,8 @@ namespace pagedserve::ops {
 
 #if PS_X86_MULTIVERSION
 
-bool decode_attention_supported(int64_t head_dim) {
-  return cpu_isa() >= CpuIsa::kAvx512 && head_dim % 16 == 0 && head_dim > 0 && head_dim <= kMaxDecodeHeadDim;
+bool row_attention_supported(int64_t head_dim) {
+  return cpu_isa() >= CpuIsa::kAvx512 && head_dim % 16 == 0 && head_dim > 0 && head_dim <= kMaxRowHeadDim;
 }
 
 namespace {
@@ -60,87 +60,114 @@ constexpr int kKeys = 16;  // keys scored together: one zmm of results
   return _mm512_load_ps(lanes);
 }
 
-PS_ALWAYS_INLINE void prefetch_row(const float* row, int64_t d_size) {
-  for (int64_t d = 0; d < d_size; d += 16) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+template <typename C>
+PS_ALWAYS_INLINE void prefetch_row(const C* row, int64_t d_size) {
+  const auto* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < d_size * static_cast<int64_t>(sizeof(C)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
 }
 
-template <int kChunks>
-[[gnu::target("arch=x86-64-v4")]] void attend(const AttentionBatch<float>& b, const AttentionWorkItem& item,
-                                              float* scores) {
+// 16 cache elements as float32: a plain load, or bf16 widened by a 16-bit
+// shift into the high half of each lane (exact).
+[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE __m512 load_16(const float* p) { return _mm512_loadu_ps(p); }
+[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE __m512 load_16(const BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// One query row: query token `token` (at position `position`), head `head`, against its visible context.
+// prefetch: this row streams the context from memory for the rows after it (the first head of a query).
+template <int kChunks, typename C>
+[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE void attend_row(const AttentionBatch<float, C>& b,
+                                                                   const int32_t* table, int64_t kv_head,
+                                                                   int64_t token, int64_t position, int64_t head,
+                                                                   bool prefetch, float* scores) {
   const int64_t d_size = b.head_dim;
-  const int64_t group = b.group();
-  const int64_t token = b.query_start_loc[item.seq];
-  const int32_t* table = b.block_tables + item.seq * b.max_blocks_per_seq;
-  // The row sees positions [begin, seq_len) (its window); scores[i] and row_offset(i) are position begin + i.
-  const int64_t begin = b.options.first_visible(b.seq_lens[item.seq] - 1);
-  const int64_t num_visible = b.seq_lens[item.seq] - begin;
+  // The row sees positions [begin, position] (its window); scores[i] and row_offset(i) are position begin + i.
+  const int64_t begin = b.options.first_visible(position);
+  const int64_t num_visible = position + 1 - begin;
   const float cap = b.options.softcap;
   const auto row_offset = [&](int64_t i) {
     const int64_t pos = begin + i;
-    return kv_cache_offset(table[pos / b.block_size], item.kv_head, pos % b.block_size, b.kv_heads, b.block_size,
+    return kv_cache_offset(table[pos / b.block_size], kv_head, pos % b.block_size, b.kv_heads, b.block_size,
                            d_size);
   };
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t head = item.kv_head * group + g;
-    const float* q_in = b.query + (token * b.q_heads + head) * d_size;
-    __m512 q[kChunks];
-    for (int c = 0; c < kChunks; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(q_in + 16 * c), _mm512_set1_ps(b.scale));
+  const float* q_in = b.query + (token * b.q_heads + head) * d_size;
+  __m512 q[kChunks];
+  for (int c = 0; c < kChunks; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(q_in + 16 * c), _mm512_set1_ps(b.scale));
 
-    // Scores, 16 keys at a time. The first head of the group streams the
-    // context from memory: it prefetches the next tile's keys and this
-    // tile's values, which the other heads and the value pass then find in cache.
-    float row_max = -std::numeric_limits<float>::infinity();
-    for (int64_t first = 0; first < num_visible; first += kKeys) {
-      const int count = static_cast<int>(std::min<int64_t>(kKeys, num_visible - first));
-      if (g == 0) {
-        const int64_t next_count = std::min<int64_t>(kKeys, num_visible - first - kKeys);
-        for (int64_t j = 0; j < next_count; ++j) prefetch_row(b.key_cache + row_offset(first + kKeys + j), d_size);
-        for (int64_t j = 0; j < count; ++j) prefetch_row(b.value_cache + row_offset(first + j), d_size);
-      }
-      __m512 partial[kKeys];
-      for (int j = 0; j < kKeys; ++j) {
-        partial[j] = _mm512_setzero_ps();
-        if (j >= count) continue;
-        const float* key = b.key_cache + row_offset(first + j);
-        for (int c = 0; c < kChunks; ++c) partial[j] = _mm512_fmadd_ps(_mm512_loadu_ps(key + 16 * c), q[c], partial[j]);
-      }
-      const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
-      __m512 tile = reduce_16(partial);
-      if (cap > 0.0f) tile = softcap_16(tile, cap);
-      _mm512_mask_storeu_ps(scores + first, valid, tile);
-      row_max = std::max(row_max, _mm512_mask_reduce_max_ps(valid, tile));
+  // Scores, 16 keys at a time. A prefetching row streams the context from
+  // memory: it asks for the next tile's keys and this tile's values, which
+  // the other heads and the value pass then find in cache.
+  float row_max = -std::numeric_limits<float>::infinity();
+  for (int64_t first = 0; first < num_visible; first += kKeys) {
+    const int count = static_cast<int>(std::min<int64_t>(kKeys, num_visible - first));
+    if (prefetch) {
+      const int64_t next_count = std::min<int64_t>(kKeys, num_visible - first - kKeys);
+      for (int64_t j = 0; j < next_count; ++j) prefetch_row(b.key_cache + row_offset(first + kKeys + j), d_size);
+      for (int64_t j = 0; j < count; ++j) prefetch_row(b.value_cache + row_offset(first + j), d_size);
     }
+    __m512 partial[kKeys];
+    for (int j = 0; j < kKeys; ++j) {
+      partial[j] = _mm512_setzero_ps();
+      if (j >= count) continue;
+      const C* key = b.key_cache + row_offset(first + j);
+      for (int c = 0; c < kChunks; ++c) partial[j] = _mm512_fmadd_ps(load_16(key + 16 * c), q[c], partial[j]);
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
+    __m512 tile = reduce_16(partial);
+    if (cap > 0.0f) tile = softcap_16(tile, cap);
+    _mm512_mask_storeu_ps(scores + first, valid, tile);
+    row_max = std::max(row_max, _mm512_mask_reduce_max_ps(valid, tile));
+  }
 
-    // Softmax numerators (exp_approx, as the tile kernel) and their sum.
-    float lanes[kLanes] = {};
-    int64_t j = 0;
-    for (; j + kLanes <= num_visible; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        scores[j + l] = exp_approx(scores[j + l] - row_max);
-        lanes[l] += scores[j + l];
-      }
+  // Softmax numerators (exp_approx, as the tile kernel) and their sum.
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= num_visible; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      scores[j + l] = exp_approx(scores[j + l] - row_max);
+      lanes[l] += scores[j + l];
     }
-    for (; j < num_visible; ++j) {
-      scores[j] = exp_approx(scores[j] - row_max);
-      lanes[0] += scores[j];
-    }
-    const float inv_sum = 1.0f / sum_lanes(lanes);
+  }
+  for (; j < num_visible; ++j) {
+    scores[j] = exp_approx(scores[j] - row_max);
+    lanes[0] += scores[j];
+  }
+  const float inv_sum = 1.0f / sum_lanes(lanes);
 
-    // Values.
-    __m512 acc[kChunks];
-    for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_setzero_ps();
-    for (int64_t pos = 0; pos < num_visible; ++pos) {
-      const float* value = b.value_cache + row_offset(pos);
-      const __m512 p = _mm512_set1_ps(scores[pos]);
-      for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * c), acc[c]);
+  // Values.
+  __m512 acc[kChunks];
+  for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t pos = 0; pos < num_visible; ++pos) {
+    const C* value = b.value_cache + row_offset(pos);
+    const __m512 p = _mm512_set1_ps(scores[pos]);
+    for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_fmadd_ps(p, load_16(value + 16 * c), acc[c]);
+  }
+  float* out = b.out + (token * b.q_heads + head) * d_size;
+  for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_sum)));
+}
+
+// Every query of the item, each for the group's heads. The first row
+// prefetches the context; the rows after it find it in cache (a 512-token
+// context of one kv head is 128 KiB of float32 keys and values).
+template <int kChunks, typename C>
+[[gnu::target("arch=x86-64-v4")]] void attend(const AttentionBatch<float, C>& b, const AttentionWorkItem& item,
+                                              float* scores) {
+  const int64_t group = b.group();
+  const int64_t token_begin = b.query_start_loc[item.seq];
+  const int64_t q_len = b.query_start_loc[item.seq + 1] - token_begin;
+  const int64_t first_position = b.seq_lens[item.seq] - q_len;
+  const int32_t* table = b.block_tables + item.seq * b.max_blocks_per_seq;
+  for (int64_t qi = item.q_begin; qi < item.q_end; ++qi) {
+    for (int64_t g = 0; g < group; ++g) {
+      attend_row<kChunks>(b, table, item.kv_head, token_begin + qi, first_position + qi, item.kv_head * group + g,
+                          /*prefetch=*/qi == item.q_begin && g == 0, scores);
     }
-    float* out = b.out + (token * b.q_heads + head) * d_size;
-    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_sum)));
   }
 }
 
-template <int kChunks = kMaxDecodeHeadDim / 16>
-void attend_dispatch(int chunks, const AttentionBatch<float>& b, const AttentionWorkItem& item, float* scores) {
+template <int kChunks = kMaxRowHeadDim / 16, typename C>
+void attend_dispatch(int chunks, const AttentionBatch<float, C>& b, const AttentionWorkItem& item, float* scores) {
   if constexpr (kChunks >= 1) {
     if (chunks == kChunks) return attend<kChunks>(b, item, scores);
     return attend_dispatch<kChunks - 1>(chunks, b, item, scores);
@@ -151,14 +178,19 @@ void attend_dispatch(int chunks, const AttentionBatch<float>& b, const Attention
 
 }  // namespace
 
-void attend_decode_avx512(const AttentionBatch<float>& batch, const AttentionWorkItem& item, float* scores) {
+void attend_rows_avx512(const AttentionBatch<float, float>& batch, const AttentionWorkItem& item, float* scores) {
+  attend_dispatch(static_cast<int>(batch.head_dim / 16), batch, item, scores);
+}
+
+void attend_rows_avx512(const AttentionBatch<float, BFloat16>& batch, const AttentionWorkItem& item, float* scores) {
   attend_dispatch(static_cast<int>(batch.head_dim / 16), batch, item, scores);
 }
 
 #else
 
-bool decode_attention_supported(int64_t) { return false; }
-void attend_decode_avx512(const AttentionBatch<float>&, const AttentionWorkItem&, float*) {}
+bool row_attention_supported(int64_t) { return false; }
+void attend_rows_avx512(const AttentionBatch<float, float>&, const AttentionWorkItem&, float*) {}
+void attend_rows_avx512(const AttentionBatch<float, BFloat16>&, const AttentionWorkItem&, float*) {}
 
 #endif
 

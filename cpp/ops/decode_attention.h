@@ -1,30 +1,40 @@
-// The decode fast path of the CPU paged attention: one query token of one
-// sequence (all query heads of one GQA group) against its float32 context,
-// on AVX-512.
+// The row kernel of the CPU paged attention on AVX-512: each query row (one
+// query token, one head) against its visible float32 or bf16 context, with
+// float32 queries.
 //
 // The general tile kernel (attention_tile.h) folds the context 16 positions
 // at a time with an online softmax and spends most of its time on per-pair
-// dot-product reductions. A decode row has one query, so this path computes
-// all of its scores first (16 keys at once: 16 partial-dot vectors reduced
-// together by a shuffle tree), then one softmax over the whole row, then the
-// value sum: the same float32 math without the per-tile rescaling. A sliding
-// window starts the row at its window; soft-capping maps the scores with the
-// tile kernel's tanh_approx (attention_options.h).
+// dot-product reductions. This path computes all of a row's scores first (16
+// keys at once: 16 partial-dot vectors reduced together by a shuffle tree),
+// then one softmax over the whole row, then the value sum: the same float32
+// math without the per-tile rescaling. A sliding window starts the row at its
+// window; soft-capping maps the scores with the tile kernel's tanh_approx
+// (attention_options.h). A bf16 cache is widened to float32 as it is loaded
+// (a 16-bit shift: exact), accumulation stays float32.
+//
+// Batch invariance: a row's arithmetic depends only on its query and its
+// visible keys and values, never on the other rows of the item or the batch.
+// That is why this kernel serves prefill rows as well as decode rows where it
+// applies: with a decode-only fast path, the last prompt token would round
+// differently when a prefix-cache hit or a chunk boundary leaves it alone in
+// its chunk (q_len 1) than inside a longer prefill.
 #pragma once
 
 #include <cstdint>
 
 #include "ops/attention_tile.h"
+#include "ops/float_types.h"
 
 namespace pagedserve::ops {
 
-// Whether attend_decode_avx512 handles this shape on this CPU (float32
-// caches, head dim a multiple of 16 up to kMaxDecodeHeadDim, AVX-512 on).
-inline constexpr int64_t kMaxDecodeHeadDim = 256;
-bool decode_attention_supported(int64_t head_dim);
+// Whether attend_rows_avx512 handles this shape on this CPU (float32 queries,
+// head dim a multiple of 16 up to kMaxRowHeadDim, AVX-512 on).
+inline constexpr int64_t kMaxRowHeadDim = 256;
+bool row_attention_supported(int64_t head_dim);
 
-// Writes the outputs of item (which must have q_len == 1) for its group's
-// heads. scores: scratch of at least seq_len floats.
-void attend_decode_avx512(const AttentionBatch<float>& batch, const AttentionWorkItem& item, float* scores);
+// Writes the outputs of every query of item, for its group's heads.
+// scores: scratch of at least seq_len floats.
+void attend_rows_avx512(const AttentionBatch<float, float>& batch, const AttentionWorkItem& item, float* scores);
+void attend_rows_avx512(const AttentionBatch<float, BFloat16>& batch, const AttentionWorkItem& item, float* scores);
 
 }  // namespace pagedserve::ops

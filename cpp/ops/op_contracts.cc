@@ -36,11 +36,17 @@ class Args {
     same_dtype(arg, t, ref);
     for (int dim = 0; dim < ref.ndim; ++dim) require_size(op_, arg, t, dim, ref.size(dim));
   }
-  // A layer's caches: key_cache [N, Hkv, B, head_dim] of `ref`'s dtype, value_cache like it.
+  // A layer's caches: key_cache [N, Hkv, B, head_dim] of `ref`'s dtype (or, on
+  // the CPU under float32 `ref`, bf16: a bf16 KV cache), value_cache like it.
   void kv_caches(const TensorView& key_cache, const TensorView& value_cache, const TensorView& ref,
                  int64_t head_dim) {
     floats("key_cache", key_cache, 4);
-    same_dtype("key_cache", key_cache, ref);
+    const bool bf16_cache = ref.dtype == DType::kFloat32 && key_cache.dtype == DType::kBFloat16;
+    PS_REQUIRE(key_cache.dtype == ref.dtype || (bf16_cache && device_ == Device::kCPU), op_,
+               "key_cache must have the same dtype as the other inputs (" + std::string(dtype_name(ref.dtype)) +
+                   (device_ == Device::kCPU && ref.dtype == DType::kFloat32 ? ") or be bfloat16" : ")") +
+                   ", got " + key_cache.describe() +
+                   (bf16_cache ? " (on CUDA the KV cache has the model's dtype: kv_cache_dtype auto)" : ""));
     size("key_cache", key_cache, 3, head_dim);
     like("value_cache", value_cache, key_cache);
   }

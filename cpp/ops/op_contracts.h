@@ -48,7 +48,7 @@ void check_rotary_embedding(Device device, const TensorView& positions, const Te
 void check_silu_and_mul(Device device, const TensorView& out, const TensorView& x);
 
 // reshape_and_cache: key and value [T, Hkv, D] float; key_cache and value_cache
-// [N, Hkv, B, D] float; slot_mapping [T] int32.
+// [N, Hkv, B, D] float (CPU: bf16 also under float32 keys); slot_mapping [T] int32.
 // CPU: every slot is kPadSlot (-1) or lies in [0, N * B).
 void check_reshape_and_cache(Device device, const TensorView& key, const TensorView& value, const TensorView& key_cache,
                              const TensorView& value_cache, const TensorView& slot_mapping);
@@ -58,7 +58,8 @@ void check_reshape_and_cache(Device device, const TensorView& key, const TensorV
 void check_copy_blocks(Device device, const TensorView& kv_cache, const TensorView& block_copies);
 
 // paged_attention: query and out [T, Hq, D] float; key_cache and value_cache
-// [N, Hkv, B, D] float, Hq a multiple of Hkv, B > 0; block_tables
+// [N, Hkv, B, D] float (CPU: bf16 also under float32 queries), Hq a multiple
+// of Hkv, B > 0; block_tables
 // [S, max_blocks], query_start_loc [S + 1] and seq_lens [S] int32.
 // options: window >= 0; softcap >= 0 and finite.
 // CPU: the query ranges are non-decreasing and lie within the T tokens; each

@@ -49,7 +49,8 @@ void silu_and_mul(const TensorView& out, const TensorView& x);
 
 // Writes each token's key and value into its cache slot (kv_cache_layout.h).
 // key, value: [T, Hkv, D]; key_cache, value_cache: [N, Hkv, B, D]; slot_mapping: [T]
-// int32, kPadSlot entries skipped.
+// int32, kPadSlot entries skipped. The caches have the keys' dtype, or are bf16
+// under float32 keys (a bf16 KV cache: rounded to nearest even).
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping);
 
@@ -65,7 +66,11 @@ void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies);
 // `scale`; out is written for every token of every sequence. options: a
 // sliding window (which narrows "positions [0, ...]" above to the window) and
 // logit soft-capping, both off by default (attention_options.h).
-// out, query: [T, Hq, D]; key_cache, value_cache: [N, Hkv, B, D];
+// A row's result depends on its query and its visible keys and values only,
+// never on the rest of the batch (batch invariance: bit-identical alone, in
+// any batch, however its prompt was chunked).
+// out, query: [T, Hq, D]; key_cache, value_cache: [N, Hkv, B, D] of the
+// query's dtype, or bf16 under float32 queries (widened to float32 as read);
 // block_tables: [S, max_blocks] int32; query_start_loc: [S + 1] int32; seq_lens: [S] int32.
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,

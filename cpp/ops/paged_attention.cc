@@ -1,7 +1,10 @@
 // Paged attention over a mixed batch of decodes and prefill chunks.
 //
 // The batch is cut into work items (sequence, kv head, tile of queries) that
-// the pool runs in parallel; attention_tile.h computes one item. Every index
+// the pool runs in parallel; the row kernel (decode_attention.h, float32
+// queries on AVX-512) or the tile kernel (attention_tile.h, everything else)
+// computes one item. The cache has the queries' dtype, or is bf16 under
+// float32 queries (a bf16 KV cache: half the bytes, widened as read). Every index
 // the kernel will follow (query ranges, lengths, block ids) is checked first,
 // by the op's contract (op_contracts.h), so the kernel itself cannot read out
 // of bounds or throw.
@@ -65,6 +68,19 @@ WorkPlan plan_work(const TensorView& query_start_loc, const TensorView& seq_lens
   return plan;
 }
 
+// The one dispatch point of the kernel's types: fn<T, C>() with T the query
+// type and C the cache's, either T or (float32 queries, bf16 cache). The
+// contract (check_paged_attention) admits no other pair.
+template <typename Fn>
+void dispatch_attention(DType query_dtype, DType cache_dtype, Fn&& fn) {
+  dispatch_float(query_dtype, kOp, [&]<typename T>() {
+    if constexpr (std::is_same_v<T, float>) {
+      if (cache_dtype == DType::kBFloat16) return fn.template operator()<float, BFloat16>();
+    }
+    return fn.template operator()<T, T>();
+  });
+}
+
 }  // namespace
 
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
@@ -78,42 +94,39 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   const WorkPlan plan = plan_work(query_start_loc, seq_lens, kv_heads, q_heads / kv_heads, head_dim, options);
   if (plan.items.empty()) return;
 
-  dispatch_float(query.dtype, kOp, [&]<typename T>() {
-    const AttentionBatch<T> batch{out.ptr<T>(),
-                                  query.ptr<T>(),
-                                  key_cache.ptr<T>(),
-                                  value_cache.ptr<T>(),
-                                  block_tables.ptr<int32_t>(),
-                                  query_start_loc.ptr<int32_t>(),
-                                  seq_lens.ptr<int32_t>(),
-                                  q_heads,
-                                  kv_heads,
-                                  head_dim,
-                                  key_cache.size(2),
-                                  block_tables.size(1),
-                                  scale,
-                                  options};
+  dispatch_attention(query.dtype, key_cache.dtype, [&]<typename T, typename C>() {
+    const AttentionBatch<T, C> batch{out.ptr<T>(),
+                                     query.ptr<T>(),
+                                     key_cache.ptr<C>(),
+                                     value_cache.ptr<C>(),
+                                     block_tables.ptr<int32_t>(),
+                                     query_start_loc.ptr<int32_t>(),
+                                     seq_lens.ptr<int32_t>(),
+                                     q_heads,
+                                     kv_heads,
+                                     head_dim,
+                                     key_cache.size(2),
+                                     block_tables.size(1),
+                                     scale,
+                                     options};
     const ParallelRun run = parallel_run(plan.total_work);
+    // float32 queries take the row kernel (decode_attention.h) for every row,
+    // prefill rows included, so a row rounds the same whatever its chunk.
+    if constexpr (std::is_same_v<T, float>) {
+      if (row_attention_supported(head_dim)) {
+        std::vector<std::vector<float>> scores(static_cast<size_t>(run.num_workers()),
+                                               std::vector<float>(static_cast<size_t>(plan.max_seq_len)));
+        run.for_each(static_cast<int64_t>(plan.items.size()), [&](int64_t task, int worker) {
+          attend_rows_avx512(batch, plan.items[static_cast<size_t>(task)], scores[static_cast<size_t>(worker)].data());
+        });
+        return;
+      }
+    }
     std::vector<AttentionScratch> scratch;
     scratch.reserve(static_cast<size_t>(run.num_workers()));
     for (int w = 0; w < run.num_workers(); ++w) scratch.emplace_back(plan.max_rows, head_dim);
-    // Decode rows of a float32 cache take the fast path (decode_attention.h).
-    bool decode_fast_path = false;
-    std::vector<std::vector<float>> decode_scores;
-    if constexpr (std::is_same_v<T, float>) {
-      decode_fast_path = decode_attention_supported(head_dim);
-      if (decode_fast_path) decode_scores.assign(static_cast<size_t>(run.num_workers()),
-                                                 std::vector<float>(static_cast<size_t>(plan.max_seq_len)));
-    }
     run.for_each(static_cast<int64_t>(plan.items.size()), [&](int64_t task, int worker) {
       const AttentionWorkItem& item = plan.items[static_cast<size_t>(task)];
-      if constexpr (std::is_same_v<T, float>) {
-        const bool decode = batch.query_start_loc[item.seq + 1] - batch.query_start_loc[item.seq] == 1;
-        if (decode_fast_path && decode) {
-          attend_decode_avx512(batch, item, decode_scores[static_cast<size_t>(worker)].data());
-          return;
-        }
-      }
       AttentionScratch& worker_scratch = scratch[static_cast<size_t>(worker)];
       with_cpu_isa([&]() PS_INLINE_BODY { attend_work_item(batch, item, worker_scratch); });
     });

@@ -252,8 +252,10 @@ class DecoderForCausalLM(nn.Module):
         return None if self.lm_head is None else self.lm_head.bias
 
     def pack_lm_head(self) -> None:
-        """Computes logits from bf16 tiles (the embedding table stays as it is for lookups)."""
+        """Computes logits from bf16 tiles. A tied embedding table then serves lookups only, so it is kept
+        as bf16 where that is exact (a bf16 checkpoint): the tiles are a copy of their own."""
         self.use_lm_head_kernel(PackedBf16(self.lm_head_weight()))
+        self.model.embed_tokens.keep_bf16_if_exact()
 
     def use_lm_head_kernel(self, kernel: LinearKernel) -> None:
         self.lm_head_kernel = kernel

@@ -58,7 +58,8 @@ class KVPlan:
     num_blocks: int
     block_size: int
     max_model_len: int
-    bytes_per_block: int  # over all layers, keys and values
+    bytes_per_block: int  # over all layers, keys and values, in `dtype`
+    dtype: torch.dtype = torch.float32  # the cache's (worker/kv_cache.py: kv_cache_dtype)
 
     @property
     def num_bytes(self) -> int:
@@ -66,7 +67,8 @@ class KVPlan:
 
 
 def plan_kv_cache(config, max_position_embeddings: int, bytes_per_block: int,
-                  profile_budget: Callable[[], int], kv_window: int = 0) -> KVPlan:
+                  profile_budget: Callable[[], int], kv_window: int = 0,
+                  dtype: torch.dtype = torch.float32) -> KVPlan:
     """How many blocks to allocate and the max_model_len they allow.
 
     config: a resolved EngineConfig. profile_budget() is called only on a GPU without an explicit size:
@@ -94,4 +96,4 @@ def plan_kv_cache(config, max_position_embeddings: int, bytes_per_block: int,
         else:  # a limit the user asked for
             raise ValueError(f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks, the cache holds "
                              f"{num_blocks}: raise the KV memory or lower max_model_len")
-    return KVPlan(num_blocks, block_size, max_model_len, bytes_per_block)
+    return KVPlan(num_blocks, block_size, max_model_len, bytes_per_block, dtype)

@@ -18,6 +18,7 @@ from pagedserve import ops
 from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.sample import prompt_logprobs
 from pagedserve.sample.sampler import PendingSamples, Sampler
+from pagedserve.worker.heap_trim import HeapTrimmer
 from pagedserve.worker.step_inputs import PAD_SLOT, StepInputs
 
 
@@ -35,6 +36,7 @@ class ModelRunner:
         self.inputs = inputs
         self.graphs = graphs
         self.torch_threads = torch_threads
+        self.heap = HeapTrimmer(enabled=self.device.type == "cpu")  # freed activations back to the OS
 
     @torch.inference_mode()
     def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> PendingSamples:
@@ -43,6 +45,7 @@ class ModelRunner:
         PendingSamples.result(). `grammar`: the sampler's token mask, or a callable returning it.
         `prompt_plan` (sample.prompt_logprobs.PromptLogprobsPlan, prefill steps only): the prompt
         logprobs to compute too; they arrive with the result's `prompt_logprobs.result()`."""
+        self.heap.note_step(int(step.num_tokens))
         with _torch_threads(self.torch_threads):
             if step.block_copies.shape[0]:
                 copies = torch.from_numpy(step.block_copies.copy()).to(self.device, non_blocking=True)

@@ -21,7 +21,7 @@ from pagedserve.models.cpu_weight_packing import pack_cpu_weights
 from pagedserve.models.fused_layers import fuse_decoder_layers
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.sample.sampler import PendingSamples, Sampler
-from pagedserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
+from pagedserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype
 from pagedserve.worker.memory_budget import KVPlan, kv_cache_budget_bytes, plan_kv_cache
 from pagedserve.worker.model_runner import ModelRunner
 from pagedserve.worker.step_inputs import StepInputs
@@ -44,14 +44,15 @@ class Worker:
         self.sampler = Sampler(device, mc.vocab_size, eos_token_ids, seed=config.seed)
         self._workspace = ops.paged_attention_workspace(config.max_num_seqs, mc.num_heads, mc.head_dim,
                                                         config.max_model_len, device)
-        per_block = bytes_per_block(mc.num_layers, mc.num_kv_heads, config.block_size, mc.head_dim, mc.dtype)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, mc.dtype, device.type, config.cpu_precision)
+        per_block = bytes_per_block(mc.num_layers, mc.num_kv_heads, config.block_size, mc.head_dim, kv_dtype)
         self.kv_plan: KVPlan = plan_kv_cache(
             config, mc.max_position_embeddings, per_block,
             lambda: kv_cache_budget_bytes(lambda: self._run_worst_case_step(config), config.gpu_memory_utilization,
-                                          device, baseline_bytes), mc.kv_window)
+                                          device, baseline_bytes), mc.kv_window, dtype=kv_dtype)
         plan = self.kv_plan
         kv_cache = allocate_kv_cache(mc.num_layers, plan.num_blocks, mc.num_kv_heads, plan.block_size, mc.head_dim,
-                                     mc.dtype, device)
+                                     plan.dtype, device)
         inputs = self._step_inputs(config, plan.max_model_len)
         graphs = None
         if device.type == "cuda" and not config.enforce_eager and getattr(self.model, "supports_cuda_graphs", True):
@@ -60,9 +61,11 @@ class Worker:
         # Packed weights: every matrix product runs in our ops' pool; torch keeps only light work.
         self.runner = ModelRunner(self.model, kv_cache, self.sampler, inputs, graphs=graphs,
                                   torch_threads=1 if packed else None)
-        logger.info("model %s on %s (%s): %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
+        self.runner.heap.trim()  # what loading and packing freed
+        logger.info("model %s on %s (%s): %d KV blocks of %d tokens (%.2f GiB, %s), max_model_len %d",
                     mc.model_dir.name if mc.model_dir else mc.architecture, device, mc.dtype, plan.num_blocks,
-                    plan.block_size, kv_cache.numel() * kv_cache.element_size() / 2**30, plan.max_model_len)
+                    plan.block_size, kv_cache.numel() * kv_cache.element_size() / 2**30, plan.dtype,
+                    plan.max_model_len)
 
     def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> PendingSamples:
         return self.runner.execute_async(step, rows, grammar, prompt_plan)
@@ -78,8 +81,9 @@ class Worker:
         tokens = config.max_num_batched_tokens
         step = worst_case_step(tokens, config.max_model_len, config.block_size,
                                num_logit_rows=config.max_num_seqs, vocab_size=mc.vocab_size)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, mc.dtype, self.device.type, config.cpu_precision)
         scratch = allocate_kv_cache(mc.num_layers, step.block_tables.size, mc.num_kv_heads, config.block_size,
-                                    mc.head_dim, mc.dtype, self.device)
+                                    mc.head_dim, kv_dtype, self.device)
         inputs = StepInputs(tokens, step.num_seqs, step.max_blocks_per_seq, self.device, self._workspace)
         runner = ModelRunner(self.model, scratch, self.sampler, inputs)
         runner.execute_async(step, worst_case_rows(len(step.logits_indices))).result()
