@@ -1,5 +1,6 @@
 #include "ops/decoder_layer.h"
 
+#include <bit>
 #include <cstring>
 #include <initializer_list>
 #include <new>
@@ -94,19 +95,23 @@ struct DecoderStack::Scratch {
 void DecoderStack::AlignedFree::operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{kAlign}); }
 
 DecoderStack::DecoderStack(const DecoderShape& shape, const TensorView& embedding, const NormWeights& final_norm)
-    : shape_(shape), embedding_(embedding), final_norm_(final_norm) {
+    : shape_(shape), embedding_(embedding), final_norm_(final_norm), dtype_(final_norm.weight.dtype) {
   PS_REQUIRE(shape.hidden_size > 0 && shape.num_heads > 0 && shape.num_kv_heads > 0 && shape.head_dim > 0 &&
                  shape.intermediate_size > 0,
              kOp, "every size of the shape must be > 0");
   PS_REQUIRE(shape.num_heads % shape.num_kv_heads == 0, kOp, "num_heads must be a multiple of num_kv_heads");
   require_float_tensor(kOp, "embedding", embedding, Device::kCPU, 2);
   require_size(kOp, "embedding", embedding, 1, shape.hidden_size);
-  require_vector("final_norm", final_norm.weight, shape.hidden_size, embedding.dtype);
+  require_float_tensor(kOp, "final_norm", final_norm.weight, Device::kCPU, 1);
+  require_vector("final_norm", final_norm.weight, shape.hidden_size, dtype_);
+  // A float32 model may keep a bf16 checkpoint's table as bf16 (layers.Embedding.keep_bf16_if_exact).
+  PS_REQUIRE(embedding.dtype == dtype_ || (embedding.dtype == DType::kBFloat16 && dtype_ == DType::kFloat32), kOp,
+             "embedding must be in the activations' dtype (the final norm's), or bf16 under float32");
 }
 
 void DecoderStack::add_layer(const DecoderLayerWeights& layer) {
   const DecoderShape& s = shape_;
-  const DType dtype = embedding_.dtype;
+  const DType dtype = dtype_;
   const int64_t q_size = s.num_heads * s.head_dim;
   const int64_t kv_size = s.num_kv_heads * s.head_dim;
   const auto check_linear = [&](std::string_view name, const LinearWeights& w, int64_t in, int64_t out) {
@@ -137,7 +142,7 @@ void DecoderStack::check_forward(const TensorView& out, const DecoderStep& step,
   const int64_t tokens = step.input_ids.ndim == 1 ? step.input_ids.size(0) : -1;
   require_index("input_ids", step.input_ids, tokens);
   require_index("rope_positions", step.rope_positions, tokens);
-  require_tensor_of(kOp, "out", out, Device::kCPU, 2, embedding_.dtype);
+  require_tensor_of(kOp, "out", out, Device::kCPU, 2, dtype_);
   require_size(kOp, "out", out, 0, tokens);
   require_size(kOp, "out", out, 1, shape_.hidden_size);
   require_float_tensor(kOp, "kv_cache", kv_cache, Device::kCPU, 6);
@@ -154,14 +159,26 @@ void DecoderStack::check_forward(const TensorView& out, const DecoderStep& step,
   }
 }
 
-// The embedding rows of the step's tokens: F.embedding, a copy.
+// The embedding rows of the step's tokens: F.embedding, a copy (bf16 rows widened exactly to float32).
 void DecoderStack::embed(const TensorView& residual, const TensorView& input_ids) const {
-  const auto row_bytes = static_cast<size_t>(shape_.hidden_size * element_size(embedding_.dtype));
+  const int64_t hidden = shape_.hidden_size;
+  const int32_t* ids = input_ids.ptr<int32_t>();
+  if (embedding_.dtype != dtype_) {
+    const auto* table = static_cast<const uint16_t*>(embedding_.data);
+    auto* rows = static_cast<float*>(residual.data);
+    for (int64_t t = 0; t < input_ids.size(0); ++t) {
+      const uint16_t* src = table + static_cast<size_t>(ids[t]) * static_cast<size_t>(hidden);
+      float* dst = rows + t * hidden;
+      for (int64_t h = 0; h < hidden; ++h) dst[h] = std::bit_cast<float>(static_cast<uint32_t>(src[h]) << 16);
+    }
+    return;
+  }
+  const auto row_bytes = static_cast<size_t>(hidden * element_size(dtype_));
   const auto* table = static_cast<const std::byte*>(embedding_.data);
   auto* rows = static_cast<std::byte*>(residual.data);
   for (int64_t t = 0; t < input_ids.size(0); ++t) {
-    std::memcpy(rows + static_cast<size_t>(t) * row_bytes,
-                table + static_cast<size_t>(input_ids.ptr<int32_t>()[t]) * row_bytes, row_bytes);
+    std::memcpy(rows + static_cast<size_t>(t) * row_bytes, table + static_cast<size_t>(ids[t]) * row_bytes,
+                row_bytes);
   }
 }
 
@@ -212,7 +229,7 @@ void DecoderStack::forward(const TensorView& out, const DecoderStep& step, const
   check_forward(out, step, kv_cache);
   const std::lock_guard<std::mutex> lock(mutex_);
   const DecoderShape& shape = shape_;
-  const DType dtype = embedding_.dtype;
+  const DType dtype = dtype_;
   const int64_t tokens = out.size(0);
   const int64_t q_size = shape.num_heads * shape.head_dim;
   const int64_t kv_size = shape.num_kv_heads * shape.head_dim;

@@ -90,7 +90,8 @@ struct DecoderStep {
 
 class DecoderStack {
  public:
-  // embedding [V, H]: the token table (its dtype is the activations'); final_norm [H].
+  // embedding [V, H]: the token table; final_norm [H], whose dtype is the activations' (the table's, or
+  // bf16 under float32 activations: a bf16 checkpoint's table kept narrow, widened exactly on lookup).
   DecoderStack(const DecoderShape& shape, const TensorView& embedding, const NormWeights& final_norm);
 
   // Appends the next layer; throws std::invalid_argument naming the weight when a shape or dtype
@@ -115,6 +116,7 @@ class DecoderStack {
   DecoderShape shape_;
   TensorView embedding_;
   NormWeights final_norm_;
+  DType dtype_;  // the activations'
   std::vector<DecoderLayerWeights> layers_;
   bool has_qk_norm_ = false;
 

@@ -40,7 +40,7 @@ class FusedDecoderStack:
     def __init__(self, model: DecoderModel):
         first = model.layers[0].self_attn
         self.hidden_size = model.embed_tokens.weight.shape[1]
-        self.dtype = model.embed_tokens.weight.dtype
+        self.dtype = model.norm.weight.dtype  # the activations' (the table may be bf16 under float32)
         self.rotary: Optional[RotaryEmbedding] = next(
             (layer.self_attn.rotary for layer in model.layers if layer.self_attn.rotary is not None), None)
         intermediate_size = model.layers[0].mlp.gate_up_proj.out_features // 2
@@ -86,6 +86,8 @@ def _optional(tensor: Optional[torch.Tensor]):
 
 def unfusable_reason(model: DecoderModel) -> Optional[str]:
     """Why model's layers must keep the per-op path, or None when the stack can run them."""
+    if model.embed_tokens.weight is None:
+        return "the embedding table is kept in another format (GGUF blocks)"
     if model.embed_tokens.weight.device.type != "cpu":
         return "the model is not on the CPU"
     if type(model.embed_tokens) is not Embedding:  # e.g. a vocab-parallel shard, whose lookup all-reduces
