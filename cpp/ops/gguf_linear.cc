@@ -27,6 +27,7 @@
 #include "ops/cpu_isa.h"
 #include "ops/gguf_blocks.h"
 #include "ops/gguf_decode_avx512.h"
+#include "ops/gguf_int8.h"
 #include "ops/gguf_ops.h"
 #include "ops/op_contracts.h"
 #include "ops/parallel.h"
@@ -263,6 +264,11 @@ void gguf_linear(const TensorView& out, const TensorView& x, const TensorView& b
   if (bias) {
     require_tensor_of(op, "bias", *bias, Device::kCPU, 1, DType::kFloat32);
     require_size(op, "bias", *bias, 0, n_size);
+  }
+  if (gguf::int8_activations_apply(format.type)) {  // AVX512_VNNI: int8 activations (gguf_int8.h)
+    return gguf::linear_int8_activations(
+        format.type, {x.ptr<float>(), blocks.ptr<uint8_t>(), bias ? bias->ptr<float>() : nullptr, out.ptr<float>(),
+                      rows, k_size, n_size, out.stride(0), blocks.size(1)});
   }
   const GgufProblem p{x.ptr<float>(), blocks.ptr<uint8_t>(), bias ? bias->ptr<float>() : nullptr,
                       out.ptr<float>(), rows, k_size, n_size, out.stride(0), blocks.size(1), k_size / format.elems};
