@@ -86,6 +86,8 @@ def _optional(tensor: Optional[torch.Tensor]):
 
 def unfusable_reason(model: DecoderModel) -> Optional[str]:
     """Why model's layers must keep the per-op path, or None when the stack can run them."""
+    if model.embed_tokens.weight is None:  # a GGUF model keeps the table as blocks (gguf_linear.GgufRows)
+        return "the embedding table is kept as GGUF blocks"
     if model.embed_tokens.weight.device.type != "cpu":
         return "the model is not on the CPU"
     if type(model.embed_tokens) is not Embedding:  # e.g. a vocab-parallel shard, whose lookup all-reduces
