@@ -5,10 +5,11 @@
 // L1 (4 rows x K floats: 9 KiB at K = 576, 24 KiB at K = 1536), and every row
 // of x passes over that buffer before the next tile is decoded. So a decode
 // step (M = 1) reads each weight byte once from memory, and a prefill decodes
-// each tile once per kRowChunk rows of x rather than once per row. Float32
-// (not int8 activations, as llama.cpp's VNNI kernels use) keeps the result
-// within float32 rounding of the dequantized matrix product, which is what
-// the model tests compare against.
+// each tile once per kRowChunk rows of x rather than once per row. These
+// float32 kernels keep the result within float32 rounding of the dequantized
+// matrix product; they run the K-quants, and every format on CPUs without
+// AVX512_VNNI (or below the AVX-512 level). With VNNI, Q4_0 / Q4_1 / Q8_0 take
+// gguf_int8.h's int8-activation kernels instead, for every M (batch invariant).
 //
 // Kernels: the decoders are gguf_blocks.h's loops, compiled per ISA level;
 // the dot products run as AVX-512 FMAs (4 rows of x x 4 weight rows = 16
