@@ -93,9 +93,9 @@ PS_VNNI_INLINE float half_value(const uint8_t* p) {
 }
 
 PS_VNNI_INLINE __m256i nibbles(const uint8_t* p) {  // 16 bytes -> 32 codes: low halves, then high halves
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+  // Both halves hold the 16 bytes (one broadcast load); the upper one is shifted right by 4.
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
 }
 
 // One weight block in registers; `offset` is Q8_0's -128 sum(w) per lane.
@@ -115,8 +115,11 @@ PS_VNNI_INLINE WeightBlock load_weight(const uint8_t* row, int64_t b) {
     w.codes = nibbles(p + 2);
   } else if constexpr (kType == BlockType::kQ4_1) {
     const uint8_t* p = row + 20 * b;
-    w.scale = _mm256_set1_ps(half_value(p));
-    w.min = _mm256_set1_ps(half_value(p + 2));
+    int32_t pair;  // d and m, adjacent: one conversion for both
+    __builtin_memcpy(&pair, p, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
+    w.scale = _mm256_broadcastss_ps(dm);
+    w.min = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
     w.codes = nibbles(p + 4);
   } else {
     const uint8_t* p = row + 34 * b;
