@@ -5,10 +5,15 @@
     does): pagedserve on the file vs transformers loading the same file (which
     dequantizes it and undoes the permutation itself). Both compute in float32 on the
     same dequantized weights, so logits agree to ~1e-6 relative; asserted < 1e-4, and
-    greedy tokens identical.
+    greedy tokens identical. On AVX512_VNNI CPUs gguf_linear rounds activations to int8
+    for Q4_0 / Q4_1 / Q8_0 (cpp/ops/gguf_int8.h, as llama.cpp does), which moves logits by
+    ~7e-3 relative on these tiny models: so the logits are checked twice, at the float32
+    kernels' ISA level (< 1e-4, greedy identical: the layout check) and at the best level
+    (< 2e-2: the int8 path end to end).
 (b) The default model's shipped Q4_1 file vs the bf16 directory converted from it: the
     same weights, rounded to bf16 in the directory, so logits differ by that rounding
-    (observed ~4e-3 relative; asserted < 2e-2) and greedy choices agree on most positions
+    (observed ~4e-3 relative with float32 kernels, ~2.3e-2 with the int8-activation
+    path; asserted < 4e-2) and greedy choices agree on most positions
     (teacher-forced agreement printed and asserted >= 90%); the GGUF model's weights
     take less than half the bytes of the bf16 ones.
 (c) Bad files get errors that say what is wrong.
@@ -16,6 +21,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +31,7 @@ from gguf import GGMLQuantizationType as T, GGUFWriter, quants
 
 from hf_helpers import make_hf_model
 from paged_helpers import PagedBatchRunner, relative_error
+from pagedserve import _core
 from pagedserve.models import build_model
 from pagedserve.models.gguf_model_dir import gguf_model_dir
 from pagedserve.models.model_config import ModelConfig
@@ -100,6 +107,20 @@ def ours_from(model_dir: Path, dtype: str = "float32"):
     return build_model(ModelConfig.from_model_dir(model_dir, dtype=dtype, device="cpu"), "cpu")
 
 
+INT8_ACTIVATIONS_TOLERANCE = 2e-2  # logits relative error with int8 activations (observed ~7e-3)
+
+
+@contextmanager
+def float_kernels():
+    """Runs gguf_linear's float32 kernels: its int8-activation path needs the AVX-512 level."""
+    before = _core.ops.cpu_isa()
+    _core.ops.set_cpu_isa([isa for isa in _core.ops.supported_cpu_isas() if isa in ("baseline", "avx2")][-1])
+    try:
+        yield
+    finally:
+        _core.ops.set_cpu_isa(before)
+
+
 def run_prompts(model, prompts=PROMPTS) -> dict[str, torch.Tensor]:
     runner = PagedBatchRunner(model, block_size=4, num_blocks=64)
     for name, ids in prompts.items():
@@ -145,13 +166,16 @@ def test_tiny_gguf_matches_transformers_on_the_same_file(case, tmp_path, monkeyp
     assert ours.model.embed_tokens.weight is None and ours.lm_head_kernel is not None  # blocks kept
 
     logits = run_prompts(ours)
+    with float_kernels():
+        exact = run_prompts(ours)
+        assert greedy(ours, PROMPTS["a"], 12) == hf_greedy(oracle, PROMPTS["a"], 12)
     for name, ids in PROMPTS.items():
         with torch.no_grad():
             expected = oracle(torch.tensor([ids])).logits[0]
         error = relative_error(logits[name], expected)
         print(f"\n{case} {name}: logits relative error vs transformers {error:.2e}")
-        assert error < 1e-4, name
-    assert greedy(ours, PROMPTS["a"], 12) == hf_greedy(oracle, PROMPTS["a"], 12)
+        assert relative_error(exact[name], expected) < 1e-4, name
+        assert error < INT8_ACTIVATIONS_TOLERANCE, name
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
@@ -170,11 +194,14 @@ def test_tiny_qwen_gguf_matches_transformers(arch, tmp_path):
     ours = ours_from(gguf_model_dir(path, tmp_path / "cache"))
     assert ours.config.architecture == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
     logits = run_prompts(ours)
+    with float_kernels():
+        exact = run_prompts(ours)
+        assert greedy(ours, PROMPTS["b"], 8) == hf_greedy(oracle, PROMPTS["b"], 8)
     for name, ids in PROMPTS.items():
         with torch.no_grad():
             expected = oracle(torch.tensor([ids])).logits[0]
-        assert relative_error(logits[name], expected) < 1e-4, name
-    assert greedy(ours, PROMPTS["b"], 8) == hf_greedy(oracle, PROMPTS["b"], 8)
+        assert relative_error(exact[name], expected) < 1e-4, name
+        assert relative_error(logits[name], expected) < INT8_ACTIVATIONS_TOLERANCE, name
 
 
 def test_tiny_gguf_through_the_engine(tmp_path, monkeypatch):
@@ -224,7 +251,7 @@ def test_default_q4_1_gguf_vs_its_bf16_conversion(default_gguf, default_model_pa
     for name in prompts:
         error = relative_error(ours[name], reference[name])
         print(f"\n{name}: logits relative error {error:.2e}")
-        assert error < 2e-2, name
+        assert error < 4e-2, name
         agree += int((ours[name].argmax(-1) == reference[name].argmax(-1)).sum())
         total += len(prompts[name])
     print(f"\nQ4_1 GGUF vs bf16 directory: teacher-forced greedy agreement {agree}/{total}")

@@ -3,11 +3,20 @@
 Oracle: gguf.quants.dequantize of the same blocks, then a float64 matrix product.
 Blocks come from gguf.quants.quantize where the package can make them (Q8_0, Q4_0,
 Q4_1); for the K-quants, which it only decodes, from random bytes with finite,
-small float16 scales. The kernels compute in float32, so the bound is float32
-rounding of a K-term sum: |y - y64| <= 2e-6 * K^0.5 * (|x| @ |W|^T) + 1e-6.
+small float16 scales. The float32 kernels' bound is float32 rounding of a K-term
+sum: |y - y64| <= 2e-6 * K^0.5 * (|x| @ |W|^T) + 1e-6.
+
+On AVX512_VNNI CPUs at the AVX-512 level, Q4_0 / Q4_1 / Q8_0 take the int8-activation
+path (cpp/ops/gguf_int8.h): x is rounded to int8 per 32-element block first. Those
+results are checked twice: tightly (1e-5 of the summed magnitudes) against a float64
+oracle of the same arithmetic (x_q, d_x from int8_activations() below, the blocks' integer
+codes and scales), and against the dequantized float64 product with the bound that
+rounding x implies: each element moves by at most d_x / 2 = max|x_block| / 254.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +29,8 @@ from pagedserve import ops
 QUANTIZABLE = [T.Q8_0, T.Q4_0, T.Q4_1]
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
 ALL_TYPES = QUANTIZABLE + K_QUANTS
+INT8_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1]  # the formats with an int8-activation kernel
+HAS_VNNI = "avx512_vnni" in Path("/proc/cpuinfo").read_text().split()
 # Byte offsets of each K-quant block's float16 scales (gguf_blocks.h): d (and dmin).
 _HALF_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 
@@ -47,6 +58,69 @@ def assert_matches_float64(y: torch.Tensor, x: np.ndarray, w: np.ndarray, bias: 
     assert (err <= bound).all(), f"max error {err.max():.3g}, worst excess {(err - bound).max():.3g}"
 
 
+def int8_path(qtype: T) -> bool:
+    """Whether gguf_linear takes the int8-activation path for qtype at the current ISA level."""
+    return qtype in INT8_TYPES and HAS_VNNI and ops.cpu_isa() in ("avx512", "amx")
+
+
+def int8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x [M, K] float32 quantized as the kernel does: (x_q [M, K/32, 32] int64, d_x [M, K/32] float32).
+    d = max|x| / 127 per block; x_q = x * (1 / d) rounded to nearest, ties to even; all in float32."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = (np.abs(blocks).max(-1) / np.float32(127)).astype(np.float32)
+    inverse = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    return np.rint(blocks * inverse[..., None]).astype(np.int64), d
+
+
+def block_codes(blocks: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [N, K/32, 32] int64, scale d_w [N, K/32], offset m_w [N, K/32]) with w = d_w codes + m_w."""
+    n = blocks.shape[0]
+    size = GGML_QUANT_SIZES[qtype][1]
+    b = blocks.reshape(n, -1, size)
+    d = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if qtype == T.Q8_0:
+        return b[:, :, 2:].copy().view(np.int8).astype(np.int64), d, np.zeros_like(d)
+    start = 2 if qtype == T.Q4_0 else 4
+    nib = b[:, :, start:start + 16].astype(np.int64)
+    codes = np.concatenate([nib & 15, nib >> 4], axis=-1)
+    if qtype == T.Q4_0:
+        return codes - 8, d, np.zeros_like(d)
+    return codes, d, b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+def assert_matches_int8_arithmetic(y: torch.Tensor, x: np.ndarray, blocks: np.ndarray, qtype: T,
+                                   bias: np.ndarray | None = None):
+    xq, dx = int8_activations(x)
+    codes, dw, mw = block_codes(blocks, qtype)
+    dots = np.einsum("mbk,nbk->mnb", xq, codes).astype(np.float64)
+    sums = xq.sum(-1).astype(np.float64)  # [M, B]
+    dx64 = dx.astype(np.float64)
+    terms = dx64[:, None, :] * (dw[None] * dots + mw[None] * sums[:, None, :])
+    ref = terms.sum(-1) + (0 if bias is None else bias.astype(np.float64))
+    bound = 1e-5 * np.abs(terms).sum(-1) + 1e-6
+    err = np.abs(y.numpy().astype(np.float64) - ref)
+    assert (err <= bound).all(), f"int8 oracle: max error {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+
+
+def assert_within_activation_rounding(y: torch.Tensor, x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None):
+    """|y - x W^T| <= sum_k |W[n, k]| d_x(k) / 2 (rounding x to d_x steps), plus float32 rounding."""
+    ref = x.astype(np.float64) @ w.T + (0 if bias is None else bias.astype(np.float64))
+    _, dx = int8_activations(x)
+    step = np.repeat(dx.astype(np.float64), 32, axis=1)  # [M, K]
+    bound = 0.5 * 1.001 * (step @ np.abs(w).T) + 2e-6 * np.sqrt(x.shape[1]) * (np.abs(x) @ np.abs(w).T) + 1e-6
+    err = np.abs(y.numpy().astype(np.float64) - ref)
+    assert (err <= bound).all(), f"max error {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+
+
+def assert_matches(y: torch.Tensor, x: np.ndarray, blocks: np.ndarray, qtype: T, bias: np.ndarray | None = None):
+    """Checks y = x W^T (+ bias) against the oracle(s) of the path the kernel took."""
+    if int8_path(qtype):
+        assert_matches_int8_arithmetic(y, x, blocks, qtype, bias)
+        assert_within_activation_rounding(y, x, dequantized(blocks, qtype), bias)
+    else:
+        assert_matches_float64(y, x, dequantized(blocks, qtype), bias)
+
+
 def run(x: np.ndarray, blocks: np.ndarray, qtype: T, bias: np.ndarray | None = None) -> torch.Tensor:
     out = torch.full((x.shape[0], blocks.shape[0]), float("nan"))
     ops.gguf_linear(out, torch.from_numpy(x), torch.from_numpy(blocks), int(qtype),
@@ -66,7 +140,7 @@ def test_gguf_linear_matches_dequantized_float64(qtype, m, cpu_isa):
         for k in _k_sizes(qtype):
             blocks = make_blocks(qtype, n, k, rng)
             x = rng.standard_normal((m, k)).astype(np.float32)
-            assert_matches_float64(run(x, blocks, qtype), x, dequantized(blocks, qtype))
+            assert_matches(run(x, blocks, qtype), x, blocks, qtype)
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
@@ -78,7 +152,7 @@ def test_gguf_linear_bias_and_column_slice_of_output(qtype, cpu_isa):
     bias = rng.standard_normal(9).astype(np.float32)
     wide = torch.full((5, 20), -7.0)
     ops.gguf_linear(wide[:, 4:13], torch.from_numpy(x), torch.from_numpy(blocks), int(qtype), torch.from_numpy(bias))
-    assert_matches_float64(wide[:, 4:13].contiguous(), x, dequantized(blocks, qtype), bias)
+    assert_matches(wide[:, 4:13].contiguous(), x, blocks, qtype, bias)
     assert (wide[:, :4] == -7).all() and (wide[:, 13:] == -7).all()
 
 
@@ -138,5 +212,27 @@ def test_one_row_equals_that_row_of_a_batch(qtype, cpu_isa):
     rng = np.random.default_rng(5)
     k = _k_sizes(qtype)[-1]
     blocks = make_blocks(qtype, 13, k, rng)
+    x = rng.standard_normal((131, k)).astype(np.float32)
+    batch = run(x, blocks, qtype)
+    for m in (0, 1, 66, 130):  # register blocks of 4 rows and chunks of 64: first, inner, remainder
+        assert torch.equal(run(x[m:m + 1], blocks, qtype)[0], batch[m])
+    assert torch.equal(run(x[1:4], blocks, qtype), batch[1:4])
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="the int8-activation path needs AVX512_VNNI")
+@pytest.mark.parametrize("qtype", INT8_TYPES, ids=lambda t: t.name)
+def test_int8_path_edge_activations(qtype):
+    """Zero blocks (d_x = 0), a block whose max is negative, ties and the extremes +-127 of x_q."""
+    if not int8_path(qtype):
+        pytest.skip("kernels run below AVX-512 in this process")
+    rng = np.random.default_rng(17)
+    k = 128
+    blocks = make_blocks(qtype, 7, k, rng)
     x = rng.standard_normal((3, k)).astype(np.float32)
-    assert torch.equal(run(x[1:2], blocks, qtype)[0], run(x, blocks, qtype)[1])
+    x[0, :32] = 0
+    x[1, 32:64] = -np.abs(x[1, 32:64]) * 1e3
+    x[2, 64:96] = np.arange(-16, 16, dtype=np.float32) * 0.5  # d = 8 / 127: steps of exact halves are rare
+    x[2, 96:128] = 127.0
+    y = run(x, blocks, qtype)
+    assert_matches_int8_arithmetic(y, x, blocks, qtype)
+    assert_within_activation_rounding(y, x, dequantized(blocks, qtype))

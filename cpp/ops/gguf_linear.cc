@@ -5,10 +5,11 @@
 // L1 (4 rows x K floats: 9 KiB at K = 576, 24 KiB at K = 1536), and every row
 // of x passes over that buffer before the next tile is decoded. So a decode
 // step (M = 1) reads each weight byte once from memory, and a prefill decodes
-// each tile once per kRowChunk rows of x rather than once per row. Float32
-// (not int8 activations, as llama.cpp's VNNI kernels use) keeps the result
-// within float32 rounding of the dequantized matrix product, which is what
-// the model tests compare against.
+// each tile once per kRowChunk rows of x rather than once per row. These
+// float32 kernels keep the result within float32 rounding of the dequantized
+// matrix product; they run the K-quants, and every format on CPUs without
+// AVX512_VNNI (or below the AVX-512 level). With VNNI, Q4_0 / Q4_1 / Q8_0 take
+// gguf_int8.h's int8-activation kernels instead, for every M (batch invariant).
 //
 // Kernels: the decoders are gguf_blocks.h's loops, compiled per ISA level;
 // the dot products run as AVX-512 FMAs (4 rows of x x 4 weight rows = 16
@@ -27,6 +28,7 @@
 #include "ops/cpu_isa.h"
 #include "ops/gguf_blocks.h"
 #include "ops/gguf_decode_avx512.h"
+#include "ops/gguf_int8.h"
 #include "ops/gguf_ops.h"
 #include "ops/op_contracts.h"
 #include "ops/parallel.h"
@@ -263,6 +265,11 @@ void gguf_linear(const TensorView& out, const TensorView& x, const TensorView& b
   if (bias) {
     require_tensor_of(op, "bias", *bias, Device::kCPU, 1, DType::kFloat32);
     require_size(op, "bias", *bias, 0, n_size);
+  }
+  if (gguf::int8_activations_apply(format.type)) {  // AVX512_VNNI: int8 activations (gguf_int8.h)
+    return gguf::linear_int8_activations(
+        format.type, {x.ptr<float>(), blocks.ptr<uint8_t>(), bias ? bias->ptr<float>() : nullptr, out.ptr<float>(),
+                      rows, k_size, n_size, out.stride(0), blocks.size(1)});
   }
   const GgufProblem p{x.ptr<float>(), blocks.ptr<uint8_t>(), bias ? bias->ptr<float>() : nullptr,
                       out.ptr<float>(), rows, k_size, n_size, out.stride(0), blocks.size(1), k_size / format.elems};

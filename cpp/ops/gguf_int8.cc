@@ -1,0 +1,269 @@
+// gguf_int8.h's kernels: x quantized per 32-element block, then vpdpbusd
+// dot products against the GGUF blocks' codes.
+//
+// vpdpbusd multiplies unsigned bytes by signed bytes, so each format puts
+// its operands where the signs fit and corrects the offset exactly in int32:
+//   Q4_0  codes q in 0..15 (unsigned) x activations (signed); the format's
+//         -8 is added back as -8 sum(x_q), from one vpdpbusd of 8s by x_q
+//         per block of x, shared by the 4 weight rows of a tile.
+//   Q4_1  codes unsigned as above; the min term m sum(x_q) is a float one,
+//         from the same per-lane sums of x_q (a vpdpbusd of 1s).
+//   Q8_0  both signed: the roles swap, x_q + 128 (unsigned, x_q >= -127)
+//         by the weight codes, less 128 sum(w) per lane (one vpdpbusd of 128s
+//         by the weight block, shared by the rows of x).
+// Each block's int32 lanes are converted to float and scaled by
+// d_w d_x (one rounding for the product, then a fused multiply-add into
+// the row's 8-lane accumulator); the lanes are added at the end in a fixed
+// order.
+//
+// 256-bit registers: one 32-weight block per register, which AVX-512's
+// 512-bit units on Zen 4 run at the same rate (they are two 256-bit halves).
+#include "ops/gguf_int8.h"
+
+#include <algorithm>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#include "ops/cpu_isa.h"
+#include "ops/parallel.h"
+
+namespace pagedserve::ops::gguf {
+
+#if PS_X86_MULTIVERSION
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see packed_linear.cc)
+namespace {
+
+constexpr int kBlock = 32;         // elements per block of x and of every format here
+constexpr int kTileRows = 4;       // weight rows per register block
+constexpr int kXRows = 4;          // rows of x per register block
+constexpr int64_t kRowChunk = 64;  // rows of x per pass over a thread's tiles (64 x 1536 B = 96 KiB in L2)
+
+#define PS_VNNI [[gnu::target("arch=x86-64-v4,avx512vnni")]]
+#define PS_VNNI_INLINE PS_VNNI PS_ALWAYS_INLINE
+
+bool cpu_has_avx512_vnni() {
+  static const bool has = __builtin_cpu_supports("avx512vnni");  // CPUID leaf 7, ECX bit 11
+  return has;
+}
+
+// x quantized: row m's block b is q[m K + 32 b ..] (int8 in [-127, 127]) times d[m K / 32 + b].
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+};
+
+// d = max |x| / 127; q = x (1 / d) rounded to nearest, ties to even (MXCSR's default mode);
+// q = 0 where the block is zero. tests_py/test_ops_gguf.py repeats these steps in numpy.
+PS_VNNI void quantize_row(const float* x, int64_t k_size, int8_t* q, float* d) {
+  for (int64_t b = 0; b < k_size / kBlock; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + kBlock * b);
+    const __m512 x1 = _mm512_loadu_ps(x + kBlock * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float scale = amax / 127.0f;
+    const __m512 inverse = _mm512_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+    d[b] = scale;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + kBlock * b),
+                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inverse))));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + kBlock * b + 16),
+                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inverse))));
+  }
+}
+
+QuantizedX quantize_x(const LinearArgs& a) {
+  const int64_t blocks = a.in_features / kBlock;
+  QuantizedX qx{std::vector<int8_t>(static_cast<size_t>(a.rows * a.in_features)),
+                std::vector<float>(static_cast<size_t>(a.rows * blocks))};
+  parallel_for_range(a.rows, 2 * a.in_features, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      quantize_row(a.x + m * a.in_features, a.in_features, qx.q.data() + m * a.in_features,
+                   qx.d.data() + m * blocks);
+    }
+  });
+  return qx;
+}
+
+PS_VNNI_INLINE float half_value(const uint8_t* p) {
+  uint16_t bits;
+  __builtin_memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+PS_VNNI_INLINE __m256i nibbles(const uint8_t* p) {  // 16 bytes -> 32 codes: low halves, then high halves
+  // Both halves hold the 16 bytes (one broadcast load); the upper one is shifted right by 4.
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
+}
+
+// One weight block in registers; `offset` is Q8_0's -128 sum(w) per lane.
+struct WeightBlock {
+  __m256i codes;
+  __m256 scale;
+  __m256 min;  // Q4_1
+  __m256i offset;
+};
+
+template <BlockType kType>
+PS_VNNI_INLINE WeightBlock load_weight(const uint8_t* row, int64_t b) {
+  WeightBlock w{};
+  if constexpr (kType == BlockType::kQ4_0) {
+    const uint8_t* p = row + 18 * b;
+    w.scale = _mm256_set1_ps(half_value(p));
+    w.codes = nibbles(p + 2);
+  } else if constexpr (kType == BlockType::kQ4_1) {
+    const uint8_t* p = row + 20 * b;
+    int32_t pair;  // d and m, adjacent: one conversion for both
+    __builtin_memcpy(&pair, p, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
+    w.scale = _mm256_broadcastss_ps(dm);
+    w.min = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    w.codes = nibbles(p + 4);
+  } else {
+    const uint8_t* p = row + 34 * b;
+    w.scale = _mm256_set1_ps(half_value(p));
+    w.codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2));
+    const __m256i zero = _mm256_setzero_si256();
+    w.offset = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(static_cast<char>(0x80)), w.codes));
+  }
+  return w;
+}
+
+// One block of a row of x in registers, prepared for the format.
+struct XBlock {
+  __m256i q;       // x_q (Q8_0: x_q + 128, as unsigned bytes)
+  __m256 scale;    // d_x
+  __m256i offset;  // Q4_0: -8 sum(x_q) per lane
+  __m256 sums;     // Q4_1: sum(x_q) per lane, as float
+};
+
+template <BlockType kType>
+PS_VNNI_INLINE XBlock load_x(const int8_t* q, float d) {
+  XBlock x{};
+  x.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  x.scale = _mm256_set1_ps(d);
+  const __m256i zero = _mm256_setzero_si256();
+  if constexpr (kType == BlockType::kQ4_0) {
+    x.offset = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(8), x.q));
+  } else if constexpr (kType == BlockType::kQ4_1) {
+    x.sums = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(zero, _mm256_set1_epi8(1), x.q));
+  } else {
+    x.q = _mm256_xor_si256(x.q, _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+  return x;
+}
+
+// acc += this block's contribution to one output, 8 lanes.
+template <BlockType kType>
+PS_VNNI_INLINE __m256 accumulate(const WeightBlock& w, const XBlock& x, __m256 acc) {
+  if constexpr (kType == BlockType::kQ4_0) {
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(x.offset, w.codes, x.q));
+    return _mm256_fmadd_ps(dot, _mm256_mul_ps(w.scale, x.scale), acc);
+  } else if constexpr (kType == BlockType::kQ4_1) {
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w.codes, x.q));
+    const __m256 block = _mm256_fmadd_ps(dot, w.scale, _mm256_mul_ps(w.min, x.sums));
+    return _mm256_fmadd_ps(block, x.scale, acc);
+  } else {
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(w.offset, x.q, w.codes));
+    return _mm256_fmadd_ps(dot, _mm256_mul_ps(w.scale, x.scale), acc);
+  }
+}
+
+PS_VNNI_INLINE float sum_lanes(__m256 v) {  // ((0+4) + (2+6)) + ((1+5) + (3+7))
+  const __m128 quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+struct Tile {
+  const uint8_t* rows[kTileRows];
+  int64_t first;  // output feature of rows[0]
+  int64_t valid;  // rows that are real (the rest repeat the last one and are not stored)
+};
+
+// Rows [m0, m0 + kM) of x against one tile of weight rows. Every (row, output) pair runs the
+// same instructions whatever kM is, so a row's result does not depend on its neighbours.
+template <BlockType kType, int kM>
+PS_VNNI void dot_tile(const LinearArgs& a, const QuantizedX& qx, const Tile& t, int64_t m0) {
+  const int64_t blocks = a.in_features / kBlock;
+  __m256 acc[kM][kTileRows];
+  for (int m = 0; m < kM; ++m) {
+    for (int r = 0; r < kTileRows; ++r) acc[m][r] = _mm256_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    WeightBlock w[kTileRows];
+#pragma GCC unroll 4
+    for (int r = 0; r < kTileRows; ++r) w[r] = load_weight<kType>(t.rows[r], b);
+#pragma GCC unroll 4
+    for (int m = 0; m < kM; ++m) {
+      const int64_t row = m0 + m;
+      const XBlock x = load_x<kType>(qx.q.data() + row * a.in_features + kBlock * b, qx.d[row * blocks + b]);
+#pragma GCC unroll 4
+      for (int r = 0; r < kTileRows; ++r) acc[m][r] = accumulate<kType>(w[r], x, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < kM; ++m) {
+    for (int64_t r = 0; r < t.valid; ++r) {
+      const int64_t n = t.first + r;
+      a.out[(m0 + m) * a.out_stride + n] = sum_lanes(acc[m][r]) + (a.bias ? a.bias[n] : 0.0f);
+    }
+  }
+}
+
+template <BlockType kType, int kM = kXRows>
+PS_VNNI void dot_rows(int rows, const LinearArgs& a, const QuantizedX& qx, const Tile& t, int64_t m0) {
+  if constexpr (kM >= 1) {
+    if (rows == kM) return dot_tile<kType, kM>(a, qx, t, m0);
+    return dot_rows<kType, kM - 1>(rows, a, qx, t, m0);
+  }
+}
+
+template <BlockType kType>
+void run(const LinearArgs& a) {
+  const QuantizedX qx = quantize_x(a);
+  const int64_t tiles = (a.out_features + kTileRows - 1) / kTileRows;
+  // Work units (parallel.h): about one per weight byte-pair decoded and per 4-byte vpdpbusd lane.
+  const int64_t work_per_tile = kTileRows * a.in_features * (1 + a.rows / 4);
+  parallel_for_range(tiles, work_per_tile, [&](int64_t tile_begin, int64_t tile_end) {
+    for (int64_t row_begin = 0; row_begin < a.rows; row_begin += kRowChunk) {
+      const int64_t row_end = std::min(a.rows, row_begin + kRowChunk);
+      for (int64_t t = tile_begin; t < tile_end; ++t) {
+        Tile tile{{}, t * kTileRows, std::min<int64_t>(kTileRows, a.out_features - t * kTileRows)};
+        for (int r = 0; r < kTileRows; ++r) {
+          tile.rows[r] = a.blocks + (tile.first + std::min<int64_t>(r, tile.valid - 1)) * a.row_bytes;
+        }
+        for (int64_t m0 = row_begin; m0 < row_end; m0 += kXRows) {
+          dot_rows<kType>(static_cast<int>(std::min<int64_t>(kXRows, row_end - m0)), a, qx, tile, m0);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+#pragma GCC diagnostic pop
+
+bool int8_activations_apply(BlockType type) {
+  const bool format = type == BlockType::kQ4_0 || type == BlockType::kQ4_1 || type == BlockType::kQ8_0;
+  return format && cpu_isa() >= CpuIsa::kAvx512 && cpu_has_avx512_vnni();
+}
+
+void linear_int8_activations(BlockType type, const LinearArgs& args) {
+  switch (type) {
+    case BlockType::kQ4_0: return run<BlockType::kQ4_0>(args);
+    case BlockType::kQ4_1: return run<BlockType::kQ4_1>(args);
+    case BlockType::kQ8_0: return run<BlockType::kQ8_0>(args);
+    default: break;  // int8_activations_apply() said no
+  }
+}
+
+#else  // no x86-64 multiversioning: the float32 kernels only
+
+bool int8_activations_apply(BlockType) { return false; }
+void linear_int8_activations(BlockType, const LinearArgs&) {}
+
+#endif
+
+}  // namespace pagedserve::ops::gguf
