@@ -4,6 +4,11 @@ The model (weights loaded, packed for the CPU where that is lossless), the
 sampler, the KV cache sized by a KVPlan, and the ModelRunner that executes
 steps over them. The engine reads `kv_plan` to size its scheduler; it never
 reaches further in than `execute_async`.
+
+Tensor-parallel (`parallel`, a ParallelContext), every rank builds its Worker
+alike over its shard: the model's slices, the KV cache of its KV heads with the
+same number of blocks (on a GPU, the smallest any rank's memory allows), and a
+runner that executes every step; only the driver's samples (distributed/).
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from typing import Sequence
 import torch
 
 from pagedserve import ops
+from pagedserve.distributed.context import SINGLE, ParallelContext
 from pagedserve.engine_config import EngineConfig
 from pagedserve.models import build_model
 from pagedserve.models.cpu_weight_packing import pack_cpu_weights
 from pagedserve.models.model_config import ModelConfig
+from pagedserve.models.parallel_layers import HeadLayout
 from pagedserve.sample.sampler import PendingSamples, Sampler
 from pagedserve.worker.kv_cache import allocate_kv_cache, bytes_per_block
 from pagedserve.worker.memory_budget import KVPlan, kv_cache_budget_bytes, plan_kv_cache
@@ -30,24 +37,29 @@ logger = logging.getLogger("pagedserve")
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, eos_token_ids: Sequence[int]):
-        """config: resolved (engine_config.resolve_defaults); model_config: on the device to run on."""
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, eos_token_ids: Sequence[int],
+                 parallel: ParallelContext = SINGLE):
+        """config: resolved (engine_config.resolve_defaults); model_config: on the device to run on;
+        parallel: this rank's place in a tensor-parallel group."""
         mc, device = model_config, model_config.device
         self.device = device
         self.model_config = mc
+        self.parallel = parallel
+        self.num_kv_heads = HeadLayout.of(mc.num_heads, mc.num_kv_heads, parallel).num_kv_heads  # this rank's
         baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        self.model = build_model(mc, device, load_format=config.load_format, seed=config.seed)
+        self.model = build_model(mc, device, load_format=config.load_format, seed=config.seed, parallel=parallel)
         packed = device.type == "cpu" and pack_cpu_weights(self.model, config.cpu_weight_dtype)
         self.sampler = Sampler(device, mc.vocab_size, eos_token_ids, seed=config.seed)
         self._workspace = ops.paged_attention_workspace(config.max_num_seqs, mc.num_heads, mc.head_dim,
                                                         config.max_model_len, device)
-        per_block = bytes_per_block(mc.num_layers, mc.num_kv_heads, config.block_size, mc.head_dim, mc.dtype)
+        per_block = bytes_per_block(mc.num_layers, self.num_kv_heads, config.block_size, mc.head_dim, mc.dtype)
         self.kv_plan: KVPlan = plan_kv_cache(
             config, mc.max_position_embeddings, per_block,
-            lambda: kv_cache_budget_bytes(lambda: self._run_worst_case_step(config), config.gpu_memory_utilization,
-                                          device, baseline_bytes), mc.kv_window)
+            lambda: parallel.min_int(kv_cache_budget_bytes(lambda: self._run_worst_case_step(config),
+                                                           config.gpu_memory_utilization, device, baseline_bytes),
+                                     device), mc.kv_window)
         plan = self.kv_plan
-        kv_cache = allocate_kv_cache(mc.num_layers, plan.num_blocks, mc.num_kv_heads, plan.block_size, mc.head_dim,
+        kv_cache = allocate_kv_cache(mc.num_layers, plan.num_blocks, self.num_kv_heads, plan.block_size, mc.head_dim,
                                      mc.dtype, device)
         inputs = self._step_inputs(config, plan.max_model_len)
         graphs = None
@@ -64,6 +76,12 @@ class Worker:
     def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> PendingSamples:
         return self.runner.execute_async(step, rows, grammar, prompt_plan)
 
+    def check_health(self) -> None:
+        """Raises EngineDeadError when the worker cannot run another step (a single process always can)."""
+
+    def close(self) -> None:
+        """Nothing to stop: the memory goes with the object."""
+
     def _step_inputs(self, config: EngineConfig, max_model_len: int) -> StepInputs:
         return StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
                           math.ceil(max_model_len / config.block_size), self.device, self._workspace)
@@ -75,8 +93,10 @@ class Worker:
         tokens = config.max_num_batched_tokens
         step = worst_case_step(tokens, config.max_model_len, config.block_size,
                                num_logit_rows=config.max_num_seqs, vocab_size=mc.vocab_size)
-        scratch = allocate_kv_cache(mc.num_layers, step.block_tables.size, mc.num_kv_heads, config.block_size,
+        scratch = allocate_kv_cache(mc.num_layers, step.block_tables.size, self.num_kv_heads, config.block_size,
                                     mc.head_dim, mc.dtype, self.device)
         inputs = StepInputs(tokens, step.num_seqs, step.max_blocks_per_seq, self.device, self._workspace)
         runner = ModelRunner(self.model, scratch, self.sampler, inputs)
-        runner.execute_async(step, worst_case_rows(len(step.logits_indices))).result()
+        pending = runner.execute_async(step, worst_case_rows(len(step.logits_indices)))
+        if pending is not None:  # None: a tensor-parallel rank other than the driver, which samples nothing
+            pending.result()
