@@ -53,20 +53,29 @@ class ParallelContext:
         return torch.cat(parts, dim=1) if parts is not None else None
 
     def min_int(self, value: int, device: torch.device) -> int:
-        """The smallest of every rank's value (the KV cache's block count must agree)."""
+        """The smallest of every rank's value (a GPU's KV-cache budget: the block count must agree)."""
+        return self._agree(value, dist.ReduceOp.MIN, device)
+
+    def max_int(self, value: int, device: torch.device) -> int:
+        """The largest of every rank's value (bytes per KV block, where ranks hold unequal KV heads)."""
+        return self._agree(value, dist.ReduceOp.MAX, device)
+
+    def _agree(self, value: int, op, device: torch.device) -> int:
         if not self.is_parallel:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(t, op=op, group=self.group)
         return int(t.item())
 
-    def split(self, size: int, what: str) -> tuple[int, int]:
-        """(start, length) of this rank's equal share of `size` items; `what` names them in the error."""
-        if size % self.world_size:
-            raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size={self.world_size}: "
-                             "choose a tensor_parallel_size that divides it")
-        length = size // self.world_size
-        return self.rank * length, length
+    def split(self, size: int) -> tuple[int, int]:
+        """(start, length) of this rank's share of `size` items: equal shares, the first size % N ranks
+        one more (9 heads over 2 ranks: 5 and 4)."""
+        return balanced_split(size, self.world_size, self.rank)
+
+
+def balanced_split(size: int, parts: int, index: int) -> tuple[int, int]:
+    base, extra = divmod(size, parts)
+    return index * base + min(index, extra), base + (index < extra)
 
 
 SINGLE = ParallelContext()

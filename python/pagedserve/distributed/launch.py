@@ -133,24 +133,29 @@ def ranks_on_this_node(parallel: ParallelContext) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", parallel.world_size))
 
 
-def start_rank(parallel: ParallelContext, configs: Optional[tuple]) -> Optional[Worker]:
+def start_rank(parallel: ParallelContext, configs: Optional[tuple]) -> Worker:
     """Every rank: receive the driver's configs (the driver passes them), build this rank's Worker, and
-    agree that every rank did. Raises RuntimeError naming the ranks that failed (on every rank)."""
+    agree that every rank did. When one failed, every rank raises: the driver its own exception if it
+    failed too (the ranks' usually fail alike: a ValueError stays a ValueError), else a RuntimeError
+    naming the ranks that failed, with their tracebacks."""
     box = [configs]
     dist.broadcast_object_list(box, src=DRIVER_RANK, group=parallel.control)
     config, model_config, eos_token_ids = box[0]
-    worker, failure = None, None
+    worker, error, failure = None, None, None
     try:
         worker = Worker(config, _on_this_rank(model_config, parallel), eos_token_ids, parallel)
-    except Exception:
-        failure = traceback.format_exc()
+    except Exception as caught:
+        error, failure = caught, traceback.format_exc()
     reports: list = [None] * parallel.world_size
     dist.all_gather_object(reports, failure, group=parallel.control)
     failed = [(rank, text) for rank, text in enumerate(reports) if text is not None]
+    if error is not None and parallel.is_driver:
+        raise error
     if failed:
         details = "\n".join(f"--- rank {rank} ---\n{text}" for rank, text in failed)
         names = ", ".join(f"rank {rank}" for rank, _ in failed)
         raise RuntimeError(f"tensor-parallel {names} failed to start:\n{details}")
+    assert worker is not None
     return worker
 
 

@@ -34,8 +34,8 @@ from pagedserve.models.layers import (LayerNorm, Linear, PagedAttention, RMSNorm
 from pagedserve.models.linear_kernels import LinearKernel, PackedBf16
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.models.moe import SparseMoeBlock
-from pagedserve.models.parallel_layers import (HeadLayout, column_linear, embedding, lm_head_linear, qkv_linear,
-                                               row_linear)
+from pagedserve.models.parallel_layers import (HeadLayout, attention_output_linear, column_linear, embedding,
+                                               lm_head_linear, qkv_linear, row_linear)
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = qkv_linear(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                                    config.qkv_bias, dtype, device, parallel)
-        self.o_proj = row_linear(config.q_size, config.hidden_size, config.o_bias, dtype, device, parallel)
+        self.o_proj = attention_output_linear(config.num_heads, config.num_kv_heads, config.head_dim,
+                                              config.hidden_size, config.o_bias, dtype, device, parallel)
         self.q_norm: Optional[RMSNorm] = None
         self.k_norm: Optional[RMSNorm] = None
         self.qk_norm_per_head = spec.qk_norm_per_head

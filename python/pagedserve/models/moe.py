@@ -119,7 +119,7 @@ class FusedExperts(nn.Module):
         """num_experts: all of the model's; this rank holds experts [first_expert, first_expert + local)."""
         super().__init__()
         self.total_experts = num_experts
-        self.first_expert, num_experts = parallel.split(num_experts, "num_experts")
+        self.first_expert, num_experts = parallel.split(num_experts)
         self.num_experts = num_experts  # this rank's
         self.intermediate_size = intermediate_size
         self.checkpoint_names = checkpoint_names
@@ -174,6 +174,10 @@ class FusedExperts(nn.Module):
         gate, up, down = self.checkpoint_names
         parts = (gate, up) if leaf == "gate_up_proj" else (down,)
         rows = param.shape[1] // len(parts)
+        for expert in range(self.total_experts):  # the other ranks' experts are theirs to read
+            if not self.first_expert <= expert < self.first_expert + self.num_experts:
+                for part in parts:
+                    source.claim(f"{module_path}.{expert}.{part}.weight")
         for expert in range(self.num_experts):
             for index, part in enumerate(parts):
                 name = f"{module_path}.{self.first_expert + expert}.{part}.weight"

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from pagedserve.distributed.context import SINGLE, ParallelContext
+from pagedserve.distributed.context import SINGLE, ParallelContext, balanced_split
 from pagedserve.models.layers import Embedding, Linear
 
 
@@ -86,14 +86,13 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """The rank's input columns; the partial products are summed over the ranks (one all-reduce)
-    unless `reduce` is off (the MoE block sums its experts and shared expert in one)."""
+    """The rank's input columns (`columns`); the partial products are summed over the ranks (one
+    all-reduce) unless `reduce` is off (the MoE block sums its experts and shared expert in one)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
+    def __init__(self, columns: Block, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelContext, reduce: bool = True):
-        start, length = parallel.split(in_features, "the input size of a row-parallel projection")
-        super().__init__(length, (out_features,), bias, dtype, device)
-        self.shard = LinearShard(1, (Block(in_features, start, length, length),))
+        super().__init__(columns.length, (out_features,), bias, dtype, device)
+        self.shard = LinearShard(1, (columns,))
         self.parallel = parallel
         self.reduce = reduce
 
@@ -132,8 +131,9 @@ def vocab_block(vocab_size: int, parallel: ParallelContext) -> Block:
     return Block(vocab_size, start, min(per_rank, vocab_size - start), per_rank)
 
 
-def even_block(size: int, parallel: ParallelContext, what: str) -> Block:
-    start, length = parallel.split(size, what)
+def split_block(size: int, parallel: ParallelContext) -> Block:
+    """This rank's balanced share of `size` rows (ParallelContext.split)."""
+    start, length = parallel.split(size)
     return Block(size, start, length, length)
 
 
@@ -149,16 +149,22 @@ class HeadLayout:
 
     @classmethod
     def of(cls, num_heads: int, num_kv_heads: int, parallel: ParallelContext) -> "HeadLayout":
-        q_start, local_q = parallel.split(num_heads, "num_attention_heads")
-        world = parallel.world_size
+        """KV heads split over the ranks (balanced), each with its group of q heads; with fewer KV heads
+        than ranks, each KV head goes to N / num_kv_heads ranks that split its q heads."""
+        world, group = parallel.world_size, num_heads // num_kv_heads
         if num_kv_heads >= world:
-            kv_start, local_kv = parallel.split(num_kv_heads, "num_key_value_heads")
-        elif world % num_kv_heads:
-            raise ValueError(f"tensor_parallel_size={world} is not a multiple of num_key_value_heads="
-                             f"{num_kv_heads}: KV heads are replicated only in equal groups of ranks")
-        else:
-            kv_start, local_kv = parallel.rank * num_kv_heads // world, 1
-        return cls(local_q, local_kv, q_start, kv_start)
+            kv_start, local_kv = parallel.split(num_kv_heads)
+            return cls(local_kv * group, local_kv, kv_start * group, kv_start)
+        if world % num_kv_heads:
+            raise ValueError(f"tensor_parallel_size={world} is neither at most nor a multiple of "
+                             f"num_key_value_heads={num_kv_heads}: choose one that is")
+        sharing = world // num_kv_heads  # ranks per KV head
+        kv_head, index = divmod(parallel.rank, sharing)
+        q_start, local_q = balanced_split(group, sharing, index)
+        if local_q == 0:
+            raise ValueError(f"tensor_parallel_size={world} leaves some ranks without attention heads "
+                             f"({num_heads} q heads in {num_kv_heads} KV groups): choose a smaller one")
+        return cls(local_q, 1, kv_head * group + q_start, kv_head)
 
 
 def qkv_linear(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, dtype: torch.dtype,
@@ -178,15 +184,26 @@ def column_linear(in_features: int, output_sizes: Sequence[int], bias: bool, dty
     """Each output block split evenly over the ranks (gate/up, fc1)."""
     if not parallel.is_parallel:
         return Linear(in_features, output_sizes, bias, dtype, device)
-    blocks = [even_block(size, parallel, "an MLP's intermediate size") for size in output_sizes]
+    blocks = [split_block(size, parallel) for size in output_sizes]
     return ColumnParallelLinear(in_features, blocks, bias, dtype, device)
 
 
 def row_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
-               parallel: ParallelContext = SINGLE, reduce: bool = True) -> Linear:
+               parallel: ParallelContext = SINGLE, reduce: bool = True, columns: Optional[Block] = None) -> Linear:
+    """columns: this rank's input columns (default: the balanced split, matching column_linear's)."""
     if not parallel.is_parallel:
         return Linear(in_features, (out_features,), bias, dtype, device)
-    return RowParallelLinear(in_features, out_features, bias, dtype, device, parallel, reduce)
+    return RowParallelLinear(columns or split_block(in_features, parallel), out_features, bias, dtype, device,
+                             parallel, reduce)
+
+
+def attention_output_linear(num_heads: int, num_kv_heads: int, head_dim: int, hidden_size: int, bias: bool,
+                            dtype: torch.dtype, device: torch.device, parallel: ParallelContext = SINGLE) -> Linear:
+    """o_proj over the columns of this rank's q heads (HeadLayout)."""
+    heads = HeadLayout.of(num_heads, num_kv_heads, parallel)
+    columns = Block(num_heads * head_dim, heads.q_start * head_dim, heads.num_heads * head_dim,
+                    heads.num_heads * head_dim)
+    return row_linear(num_heads * head_dim, hidden_size, bias, dtype, device, parallel, columns=columns)
 
 
 def embedding(vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
@@ -205,5 +222,5 @@ def lm_head_linear(hidden_size: int, vocab_size: int, bias: bool, dtype: torch.d
 
 
 __all__ = ["Block", "ColumnParallelLinear", "HeadLayout", "LinearShard", "Part", "RowParallelLinear",
-           "VocabParallelEmbedding", "column_linear", "embedding", "even_block", "lm_head_linear", "qkv_linear",
-           "row_linear", "vocab_block"]
+           "VocabParallelEmbedding", "attention_output_linear", "column_linear", "embedding", "lm_head_linear",
+           "qkv_linear", "row_linear", "split_block", "vocab_block"]

@@ -76,6 +76,12 @@ class TensorSource:
         self.used.add(actual)
         return tensor
 
+    def claim(self, name: str) -> None:
+        """Marks ``name`` as this model's without reading it (another tensor-parallel rank's expert)."""
+        actual = self.resolve(name)
+        if actual is not None:
+            self.used.add(actual)
+
 
 def load_checkpoint_weights(model: nn.Module, model_dir: Path, load_format: str = "auto") -> None:
     """Copies every parameter of ``model`` from the checkpoint in ``model_dir`` (safetensors or PyTorch files)."""

@@ -53,6 +53,7 @@ class Worker:
         self._workspace = ops.paged_attention_workspace(config.max_num_seqs, mc.num_heads, mc.head_dim,
                                                         config.max_model_len, device)
         per_block = bytes_per_block(mc.num_layers, self.num_kv_heads, config.block_size, mc.head_dim, mc.dtype)
+        per_block = parallel.max_int(per_block, device)  # ranks may hold unequal KV heads: plan the same blocks
         self.kv_plan: KVPlan = plan_kv_cache(
             config, mc.max_position_embeddings, per_block,
             lambda: parallel.min_int(kv_cache_budget_bytes(lambda: self._run_worst_case_step(config),
