@@ -260,3 +260,23 @@ def test_torchrun_two_nodes_equal_one_process():
     results = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], [r[1][-3000:] for r in results]
     assert want.strip() and results[0][0] == want
+
+
+def test_hung_rank_times_out_instead_of_hanging(llama_path, monkeypatch):
+    """A rank that stops answering (SIGSTOP) mid-run: the step fails after the collective timeout
+    (PAGEDSERVE_TP_TIMEOUT_S, 3 s here) with EngineDeadError, and shutting down leaves no process."""
+    monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT_S", "3")
+    before = children()
+    llm = make_llm(llama_path, 2)
+    engine = llm.llm_engine
+    for i, p in enumerate(prompts()[:3]):
+        engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=64))
+    engine.step()
+    os.kill(rank_pid(llm, 1), signal.SIGSTOP)
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match="rank 1 failed: did not answer in time"):
+        while True:
+            engine.step()
+    assert time.monotonic() - start < 15.0
+    llm.shutdown()
+    assert children() - before == set()

@@ -61,10 +61,11 @@ class ParallelContext:
         return self._agree(value, dist.ReduceOp.MAX, device)
 
     def _agree(self, value: int, op, device: torch.device) -> int:
+        """On the control group: ranks reach it at startup, as far apart as their weight loading."""
         if not self.is_parallel:
             return value
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=op, group=self.group)
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=op, group=self.control)
         return int(t.item())
 
     def split(self, size: int) -> tuple[int, int]:

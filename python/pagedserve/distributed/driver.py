@@ -41,8 +41,10 @@ def describe_exit(code: int) -> str:
 class RankProcesses:
     """Ranks 1..N-1 as this process's children (spawned), or none (torchrun owns them)."""
 
-    def __init__(self, processes: list):
+    def __init__(self, processes: list, world_size: int):
         self.processes = processes  # (rank, multiprocessing.Process)
+        # Who a timed-out collective waited for: the one other rank, or any of them.
+        self.others = "rank 1" if world_size == 2 else f"one of ranks 1-{world_size - 1}"
 
     def dead(self) -> Optional[EngineDeadError]:
         for rank, process in self.processes:
@@ -64,7 +66,7 @@ class RankProcesses:
             return error
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         if "timed out" in text.lower() or "timeout" in text.lower():
-            return EngineDeadError("a tensor-parallel rank", f"did not answer in time ({text})")
+            return EngineDeadError(self.others, f"did not answer in time ({text})")
         return EngineDeadError("the tensor-parallel group", f"a step failed: {type(error).__name__}: {text}")
 
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
@@ -94,7 +96,8 @@ class DriverWorker:
         self.channel = StepChannel(parallel)
         self.ranks = ranks
         self._dead: Optional[EngineDeadError] = None
-        self._closer = weakref.finalize(self, _close, self.channel, ranks, [False])
+        self._state = {"closed": False, "failed": False}  # shared with the finalizer, which must not hold self
+        self._closer = weakref.finalize(self, _close, self.channel, ranks, self._state)
 
     def execute_async(self, step, rows, grammar=None, prompt_plan=None):
         self.check_health()
@@ -104,6 +107,7 @@ class DriverWorker:
         except Exception as error:
             self._dead = self.ranks.failure(error)
             logger.error("tensor-parallel engine failed: %s", self._dead)
+            self._state["failed"] = True
             self.close()
             raise self._dead from error
 
@@ -112,24 +116,27 @@ class DriverWorker:
         if self._dead is None:
             self._dead = self.ranks.dead()
             if self._dead is not None:
+                self._state["failed"] = True
                 self.close()
         if self._dead is not None:
             raise self._dead
 
     def close(self) -> None:
-        """Stops the ranks (a stop message, then signals for those that do not leave) and the group."""
+        """Stops the ranks and the group: a stop message while the group is healthy, then signals for the
+        ranks that do not leave (at once after a failure: a hung rank would never read the message)."""
         self._closer()
 
 
-def _close(channel: StepChannel, ranks: RankProcesses, done: list) -> None:
-    if done[0]:
+def _close(channel: StepChannel, ranks: RankProcesses, state: dict) -> None:
+    if state["closed"]:
         return
-    done[0] = True
-    if ranks.dead() is None:
+    state["closed"] = True
+    healthy = not state["failed"] and ranks.dead() is None
+    if healthy:
         try:
             channel.send_stop()
         except Exception:  # a rank already gone: the signals below end the rest
-            pass
-    ranks.stop(_STOP_GRACE_S if ranks.dead() is None else 0.0)
+            healthy = False
+    ranks.stop(_STOP_GRACE_S if healthy else 0.0)
     if dist.is_initialized():
         dist.destroy_process_group()

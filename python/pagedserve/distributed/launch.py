@@ -36,6 +36,8 @@ TIMEOUT_ENV = "PAGEDSERVE_TP_TIMEOUT_S"
 # How long a rank waits for its peers inside a step (a collective) before the engine calls the group
 # dead. Steps run in lockstep, so this bounds the skew between ranks plus one rank's longest stall.
 DEFAULT_TIMEOUT_S = 120.0
+# Spawned ranks import torch and pagedserve before they reach the store: seconds on a busy machine.
+STARTUP_TIMEOUT_S = 300.0
 JOINED_KEY = "pagedserve/ranks_joined"  # each spawned rank adds 1 once it reached the store
 # Between steps a rank waits on the control group for as long as the engine idles.
 _IDLE_TIMEOUT = timedelta(days=365)
@@ -65,13 +67,13 @@ def make_worker(config: EngineConfig, model_config: ModelConfig, eos_token_ids: 
                              f"{os.environ['RANK']}) for tensor_parallel_size={world}: start one process per rank, "
                              "and the engine on rank 0 only")
         parallel = init_groups(DRIVER_RANK, world, backend, None)
-        ranks = RankProcesses([])
+        ranks = RankProcesses([], world)
     else:
         from pagedserve.distributed.rank_worker import spawn_ranks
 
         store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=step_timeout_s()))
-        ranks = RankProcesses(spawn_ranks(world, store.port, backend))
+                              timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+        ranks = RankProcesses(spawn_ranks(world, store.port, backend), world)
         try:
             wait_for_ranks(store, world, ranks)
             parallel = init_groups(DRIVER_RANK, world, backend, store)
@@ -89,14 +91,14 @@ def make_worker(config: EngineConfig, model_config: ModelConfig, eos_token_ids: 
 
 def wait_for_ranks(store: dist.Store, world: int, ranks) -> None:
     """Waits until the spawned ranks reached the store, failing at once when one of them died first
-    (an import error, say; its traceback is on stderr), or after the step timeout."""
-    deadline = time.monotonic() + step_timeout_s()
+    (an import error, say; its traceback is on stderr), or after STARTUP_TIMEOUT_S."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while store.add(JOINED_KEY, 0) < world - 1:
         dead = ranks.dead()
         if dead is not None:
             raise dead
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the tensor-parallel ranks did not start within {step_timeout_s():.0f} s")
+            raise TimeoutError(f"the tensor-parallel ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
         time.sleep(0.02)
 
 
@@ -121,7 +123,9 @@ def init_groups(rank: int, world: int, backend: str, store: Optional[dist.Store]
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    # A gloo timeout is each process's own: the driver's sends give up on a hung rank after the step
+    # timeout, while the ranks wait for the next step for as long as the engine idles.
+    control = dist.new_group(backend="gloo", timeout=timeout if rank == DRIVER_RANK else _IDLE_TIMEOUT)
     return ParallelContext(rank, world, dist.group.WORLD, control)
 
 

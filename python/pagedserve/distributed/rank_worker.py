@@ -45,10 +45,10 @@ def spawned_rank_main(rank: int, world: int, port: int, backend: str, parent_pid
     """A spawned rank's process: join the group at the driver's store, then follow the driver."""
     from datetime import timedelta
 
-    from pagedserve.distributed.launch import JOINED_KEY, init_groups, step_timeout_s
+    from pagedserve.distributed.launch import JOINED_KEY, STARTUP_TIMEOUT_S, init_groups
 
     _exit_with_parent(parent_pid)
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=step_timeout_s()))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     store.add(JOINED_KEY, 1)
     sys.exit(follow(init_groups(rank, world, backend, store)))
 
