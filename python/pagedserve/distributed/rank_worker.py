@@ -50,7 +50,10 @@ def spawned_rank_main(rank: int, world: int, port: int, backend: str, parent_pid
     _exit_with_parent(parent_pid)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     store.add(JOINED_KEY, 1)
-    sys.exit(follow(init_groups(rank, world, backend, store)))
+    code = follow(init_groups(rank, world, backend, store))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown: gloo's threads may still hold a group it would abort on
 
 
 def follow(parallel: ParallelContext) -> int:
@@ -61,8 +64,7 @@ def follow(parallel: ParallelContext) -> int:
         worker = start_rank(parallel, None)
     except RuntimeError as error:  # every rank raises it; the driver reports it with the tracebacks
         logger.debug("%s", error)
-        dist.destroy_process_group()
-        return 1
+        return 1  # the process ends here: its group goes with it
     channel = StepChannel(parallel)
     while True:
         command, payload = channel.receive()
