@@ -2,8 +2,10 @@
 
 Per family (tiny random checkpoints built with transformers, as test_model_families.py builds them:
 Llama with one KV head (replicated over the ranks), Qwen3 (q/k norms, biases), Gemma (GeGLU, tied
-vocab-parallel embeddings), Qwen2-MoE (experts split over the ranks, a split shared expert, a dense
-layer) and Qwen3-MoE), the same prompts through a TP = 1 and a TP = 2 engine:
+vocab-parallel embeddings), Phi-3 (q/k/v and gate/up fused in the checkpoint: each rank slices every
+block), Phi-2 (parallel attention and MLP, row-parallel biases, an LM head bias), Qwen2-MoE (experts
+split over the ranks, a split shared expert, a dense layer) and Qwen3-MoE), the same prompts through a
+TP = 1 and a TP = 2 engine:
   whole         greedy tokens identical, prompt and sampled logprobs within 1e-5;
   prefix cache  the TP = 2 engine again on a repeated prompt and one sharing its first 28 tokens: cache
                 hits (prompt logprobs recomputed from the cached KV shards), the same outputs;
@@ -39,8 +41,8 @@ TOL = 1e-5  # absolute (plus 1e-6 relative), float32 logprobs: TP = 2 against TP
 DEFAULT_MODEL_TOL = 1e-4
 NEW_TOKENS = 12
 BLOCK = 4
-CASES = ["llama_one_kv_head", "qwen3_qk_norm_bias", "gemma", "qwen2_moe_shared_dense_layer",
-         "qwen3_moe_norm_topk_sparse_step"]
+CASES = ["llama_one_kv_head", "qwen3_qk_norm_bias", "gemma", "phi3", "phi2_parallel_partial",
+         "qwen2_moe_shared_dense_layer", "qwen3_moe_norm_topk_sparse_step"]
 PREEMPT_LENGTHS = (40, 36, 45)
 PREEMPT_KV_BLOCKS = 20  # each request alone fits (at most 15 blocks of 4), two at once (25) do not
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,3 +282,34 @@ def test_hung_rank_times_out_instead_of_hanging(llama_path, monkeypatch):
     assert time.monotonic() - start < 15.0
     llm.shutdown()
     assert children() - before == set()
+
+
+def test_a_rank_loads_only_its_shard(tmp_path):
+    """Rank 1 of 2 (no group needed to build): every parameter is its slice of the checkpoint's tensor, the
+    vocabulary padded with zero rows (257 tokens: 129 + 128), q/k/v and gate/up sliced block by block."""
+    from transformers import LlamaConfig
+
+    from pagedserve.distributed.context import ParallelContext
+    from pagedserve.models import build_model
+    from pagedserve.models.model_config import ModelConfig
+
+    hf = make_hf_model(LlamaConfig, **{**COMMON, "vocab_size": 257, "tie_word_embeddings": False})
+    hf.save_pretrained(tmp_path)
+    config = ModelConfig.from_model_dir(tmp_path, dtype="float32", device="cpu")
+    model = build_model(config, parallel=ParallelContext(rank=1, world_size=2))
+    ref = hf.state_dict()
+    layer, hd = model.model.layers[0], COMMON["head_dim"]
+    q, k, v = (ref[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    want_qkv = torch.cat([q[2 * hd:4 * hd], k[hd:2 * hd], v[hd:2 * hd]])  # q heads 2-3, KV head 1
+    torch.testing.assert_close(layer.self_attn.qkv_proj.weight, want_qkv, rtol=0, atol=0)
+    torch.testing.assert_close(layer.self_attn.o_proj.weight,
+                               ref["model.layers.0.self_attn.o_proj.weight"][:, 2 * hd:], rtol=0, atol=0)
+    gate, up = ref["model.layers.0.mlp.gate_proj.weight"], ref["model.layers.0.mlp.up_proj.weight"]
+    torch.testing.assert_close(layer.mlp.gate_up_proj.weight, torch.cat([gate[48:], up[48:]]), rtol=0, atol=0)
+    torch.testing.assert_close(layer.mlp.down_proj.weight, ref["model.layers.0.mlp.down_proj.weight"][:, 48:],
+                               rtol=0, atol=0)
+    for ours, theirs in ((model.model.embed_tokens.weight, "model.embed_tokens.weight"),
+                         (model.lm_head.weight, "lm_head.weight")):
+        assert ours.shape[0] == 129
+        torch.testing.assert_close(ours[:128], ref[theirs][129:], rtol=0, atol=0)
+        assert not ours[128:].any(), "the last shard's padding row is zero"
