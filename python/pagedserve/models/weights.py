@@ -129,13 +129,8 @@ def _load_parameter(model: nn.Module, param_name: str, param: torch.Tensor, pack
     parent_path, _, module_name = module_path.rpartition(".")
     sources = packed.get(module_name)
     if sources is None:
-        if shard is None:
-            tensor = source.get(param_name, param_name)
-            require_shape(param_name, tensor, tuple(param.shape))
-            param.data.copy_(tensor)
-            return
-        parts = shard.fused_parts(leaf)
-        if not parts:  # a row-parallel bias: whole on every rank
+        parts = shard.fused_parts(leaf) if shard is not None else []
+        if not parts:  # the whole tensor: one process, or a row-parallel bias (whole on every rank)
             tensor = source.get(param_name, param_name)
             require_shape(param_name, tensor, tuple(param.shape))
             param.data.copy_(tensor)
@@ -158,19 +153,17 @@ def _load_parameter(model: nn.Module, param_name: str, param: torch.Tensor, pack
 
 
 def _copy_part(param: torch.Tensor, first_row: int, tensor: torch.Tensor, part, name: str) -> None:
-    """A shard's part into the parameter from ``first_row`` on (along the part's dimension). Rows of a
-    one-block shard the checkpoint does not fill (the last vocabulary shard's padding) become zero."""
+    """A shard's part into the parameter: columns (dim 1) fill it, rows go from ``first_row`` on. Rows past
+    the vocabulary's last token (the last shard's padding, which no checkpoint row fills) become zero."""
     expected = list(param.shape)
     expected[part.dim] = part.length
+    require_shape(name, tensor, tuple(expected))
     if part.dim == 1:
-        require_shape(name, tensor, tuple(expected))
         param.data.copy_(tensor)
         return
-    expected[0] = part.length
-    require_shape(name, tensor, tuple(expected))
     param.data[first_row:first_row + part.length].copy_(tensor)
-    if first_row == 0 and part.length < param.shape[0] and part.full == part.start + part.length:
-        param.data[part.length:].zero_()
+    if part.start + part.length == part.full and first_row + part.length < param.shape[0]:
+        param.data[first_row + part.length:].zero_()
 
 
 def _output_sizes(model: nn.Module, module_path: str, num_sources: int) -> tuple[int, ...]:
