@@ -3,7 +3,8 @@
 Per family (tiny random checkpoints built with transformers, as test_model_families.py builds them:
 Llama with one KV head (replicated over the ranks), Qwen3 (q/k norms, biases), Gemma (GeGLU, tied
 vocab-parallel embeddings), Phi-3 (q/k/v and gate/up fused in the checkpoint: each rank slices every
-block), Phi-2 (parallel attention and MLP, row-parallel biases, an LM head bias), Qwen2-MoE (experts
+block), Phi-2 (parallel attention and MLP, row-parallel biases, an LM head bias), OLMo2 (q/k norms over
+all heads: a sum of squares all-reduced), Qwen2-MoE (experts
 split over the ranks, a split shared expert, a dense layer) and Qwen3-MoE), the same prompts through a
 TP = 1 and a TP = 2 engine:
   whole         greedy tokens identical, prompt and sampled logprobs within 1e-5;
@@ -41,7 +42,7 @@ TOL = 1e-5  # absolute (plus 1e-6 relative), float32 logprobs: TP = 2 against TP
 DEFAULT_MODEL_TOL = 1e-4
 NEW_TOKENS = 12
 BLOCK = 4
-CASES = ["llama_one_kv_head", "qwen3_qk_norm_bias", "gemma", "phi3", "phi2_parallel_partial",
+CASES = ["llama_one_kv_head", "qwen3_qk_norm_bias", "gemma", "phi3", "phi2_parallel_partial", "olmo2",
          "qwen2_moe_shared_dense_layer", "qwen3_moe_norm_topk_sparse_step"]
 PREEMPT_LENGTHS = (40, 36, 45)
 PREEMPT_KV_BLOCKS = 20  # each request alone fits (at most 15 blocks of 4), two at once (25) do not
@@ -217,13 +218,13 @@ def test_rank_killed_while_idle_is_noticed_by_check_health(llama_path):
 
 
 def test_startup_error_on_the_ranks_reaches_the_caller(tmp_path):
-    """OLMo2 normalises q/k over all heads, which TP does not split: every rank fails alike, and the
-    driver raises the error (a ValueError, as with one process) instead of hanging; no rank is left."""
+    """OLMo2 with one KV head normalises k over it, which TP = 2 would replicate: every rank fails alike,
+    and the driver raises the error (a ValueError, as with one process) instead of hanging; no rank is left."""
     before = children()
     from transformers import Olmo2Config
 
-    make_hf_model(Olmo2Config, **COMMON).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not support"):
+    make_hf_model(Olmo2Config, **{**COMMON, "num_key_value_heads": 1}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="a k norm over all KV heads needs each KV head on one rank"):
         make_llm(tmp_path, 2)
     deadline = time.monotonic() + 5.0
     while children() - before and time.monotonic() < deadline:

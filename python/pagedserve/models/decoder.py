@@ -35,7 +35,7 @@ from pagedserve.models.linear_kernels import LinearKernel, PackedBf16
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.models.moe import SparseMoeBlock
 from pagedserve.models.parallel_layers import (HeadLayout, attention_output_linear, column_linear, embedding,
-                                               lm_head_linear, qkv_linear, row_linear)
+                                               heads_norm, lm_head_linear, qkv_linear, row_linear)
 
 
 @dataclass(frozen=True)
@@ -70,16 +70,17 @@ class Attention(nn.Module):
                                    config.qkv_bias, dtype, device, parallel)
         self.o_proj = attention_output_linear(config.num_heads, config.num_kv_heads, config.head_dim,
                                               config.hidden_size, config.o_bias, dtype, device, parallel)
-        self.q_norm: Optional[RMSNorm] = None
-        self.k_norm: Optional[RMSNorm] = None
         self.qk_norm_per_head = spec.qk_norm_per_head
-        if config.qk_norm and not spec.qk_norm_per_head and parallel.is_parallel:
-            raise ValueError(f"{config.architecture} normalises q and k over all heads together, which "
-                             "tensor_parallel_size > 1 does not support yet")
-        if config.qk_norm:
-            q_size, k_size = (self.head_dim, self.head_dim) if spec.qk_norm_per_head else (self.q_size, self.kv_size)
-            self.q_norm = RMSNorm(q_size, config.rms_norm_eps, dtype, device, spec.norm_offset)
-            self.k_norm = RMSNorm(k_size, config.rms_norm_eps, dtype, device, spec.norm_offset)
+        self.q_norm: Optional[nn.Module] = None
+        self.k_norm: Optional[nn.Module] = None
+        if config.qk_norm and spec.qk_norm_per_head:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, spec.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, spec.norm_offset)
+        elif config.qk_norm:  # OLMo2: over all heads together, which a tensor-parallel rank holds a slice of
+            self.q_norm = heads_norm(config.num_heads, config.num_kv_heads, config.head_dim, False,
+                                     config.rms_norm_eps, dtype, device, parallel)
+            self.k_norm = heads_norm(config.num_heads, config.num_kv_heads, config.head_dim, True,
+                                     config.rms_norm_eps, dtype, device, parallel)
         self.rotary = rotary  # shared by the layers of one rope: one cos/sin table; None: no rope (SmolLM3)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=config.attention_scale,
                                    window=config.layer_window(layer), softcap=config.attn_logit_softcap)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.distributed.context import SINGLE, ParallelContext, balanced_split
-from pagedserve.models.layers import Embedding, Linear
+from pagedserve.models.layers import Embedding, Linear, RMSNorm
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,39 @@ class HeadLayout:
             raise ValueError(f"tensor_parallel_size={world} leaves some ranks without attention heads "
                              f"({num_heads} q heads in {num_kv_heads} KV groups): choose a smaller one")
         return cls(local_q, 1, kv_head * group + q_start, kv_head)
+
+
+class HeadsSliceRMSNorm(RMSNorm):
+    """RMSNorm over a vector the ranks hold slices of (OLMo2's q and k, all heads together): each rank's
+    sum of squares, one all-reduce, then its slice scaled by its slice of the weight; float32 inside, as
+    transformers computes it."""
+
+    def __init__(self, block: Block, eps: float, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelContext):
+        super().__init__(block.length, eps, dtype, device)
+        self.shard = LinearShard(0, (block,))
+        self.full = block.full
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = self.parallel.all_reduce(xf.pow(2).sum(dim=-1, keepdim=True))
+        return self.weight * (xf * torch.rsqrt(squares / self.full + self.eps)).to(x.dtype)
+
+
+def heads_norm(num_heads: int, num_kv_heads: int, head_dim: int, kv: bool, eps: float, dtype: torch.dtype,
+               device: torch.device, parallel: ParallelContext = SINGLE) -> RMSNorm:
+    """The RMSNorm over all q (kv False) or all k heads together, as this rank's heads hold them."""
+    heads = num_kv_heads if kv else num_heads
+    if not parallel.is_parallel:
+        return RMSNorm(heads * head_dim, eps, dtype, device)
+    layout = HeadLayout.of(num_heads, num_kv_heads, parallel)
+    if kv and num_kv_heads < parallel.world_size:
+        raise ValueError(f"a k norm over all KV heads needs each KV head on one rank: tensor_parallel_size="
+                         f"{parallel.world_size} replicates the model's {num_kv_heads}; choose at most {num_kv_heads}")
+    start, local = (layout.kv_start, layout.num_kv_heads) if kv else (layout.q_start, layout.num_heads)
+    return HeadsSliceRMSNorm(Block(heads * head_dim, start * head_dim, local * head_dim, local * head_dim), eps,
+                             dtype, device, parallel)
 
 
 def qkv_linear(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool, dtype: torch.dtype,
