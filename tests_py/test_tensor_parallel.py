@@ -262,7 +262,7 @@ def test_torchrun_two_nodes_equal_one_process():
              for rank in (0, 1)]
     results = [node.communicate(timeout=300) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], [r[1][-3000:] for r in results]
-    assert want.strip() and results[0][0] == want
+    assert want.strip() and results[0][0] == want, (want, results[0][0], results[0][1][-3000:])
 
 
 def test_hung_rank_times_out_instead_of_hanging(llama_path, monkeypatch):

@@ -33,6 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     return follow(init_groups(rank, world, check_backend(torch.device(device), 1), None))
 
 
+def _exit(code: int) -> None:
+    """Ends the process after the exit handlers (the engine's: its stop message to the ranks) but before the
+    interpreter's teardown, where gloo's threads can abort the process ("terminate called ...") and turn a
+    finished run into a failed one for torchrun."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -49,4 +61,4 @@ def _flag(argv: list[str], name: str, default: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
