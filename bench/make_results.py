@@ -36,11 +36,12 @@ SECTIONS = [
     ("Decode step: host vs device time", ["step_timing*", "step_overhead*"]),
     ("Kernels and CPU ops", ["kernel_bench*", "cpu_ops*", "cpu_dtype*", "sampler_*"]),
     ("Scheduler step cost", ["scheduler*"]),
+    ("Tensor parallelism", ["tp_cpu*", "tp_comm_model*"]),
     ("Numerics: bf16 against transformers and torch SDPA", ["bf16_agreement*", "sdpa_numerics*", "softmax_numerics*",
                                                            "norm_numerics*"]),
     ("GPU tests and compute-sanitizer", ["gpu_tests*"]),
 ]
-EXACT = ["memory*", "demo_block_table*"]  # no model runs: the same figures on any machine
+EXACT = ["memory*", "demo_block_table*", "tp_comm_model*"]  # no model runs: the same figures on any machine
 GROUPS = [("gpu", "GPU figures"), ("cpu", "CPU figures"),
           ("exact", "Exact figures (scheduler and arithmetic only, no model: the same on any machine)")]
 BODY_LEVEL = 4  # a result's own headings sit under "## group" and "### section"

@@ -43,7 +43,7 @@ SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py"
            "perf/scheduler_bench.py", "perf/step_timing.py", "perf/serve_bench.py", "perf/cpu_ops_bench.py",
            "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py", "perf/moe_bench.py",
            "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py",
-           "perf/gguf_bench.py", "perf/cpu_serving_bench.py",
+           "perf/gguf_bench.py", "perf/cpu_serving_bench.py", "perf/tp_bench.py", "perf/tp_comm_model.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/sdpa_numerics.py",
            "numerics/norm_numerics.py", "numerics/softmax_numerics.py"]
 
@@ -212,3 +212,22 @@ def test_make_results_renders_every_result(tmp_path):
         target = png.split(")")[0]
         if target.endswith(".png"):
             assert (tmp_path / target).exists(), f"RESULTS.md links a missing plot {target}"
+
+
+def test_tp_bench_quick(tmp_path):
+    run_script("perf/tp_bench.py", "--quick", "--batch", "2", "--steps", "3", "--out", str(tmp_path), timeout=600)
+    rows = load(tmp_path, "tp_cpu_default_quick")["rows"]
+    assert [r["tp"] for r in rows] == [1, 2]
+    tp1, tp2 = rows
+    assert tp1["all_reduce_calls_per_step"] == 0
+    # SmolLM2: 30 layers x 2 row-parallel all-reduces + the embedding's, every decode step
+    assert tp2["all_reduce_calls_per_step"] == 61 and tp2["gather_calls_per_step"] == 1
+    assert 0 < tp2["all_reduce_share"] <= tp2["collective_share"] <= 1
+
+
+def test_tp_comm_model_quick(tmp_path):
+    run_script("perf/tp_comm_model.py", "--quick", "--out", str(tmp_path))
+    rows = load(tmp_path, "tp_comm_model_H100_quick")["rows"]
+    llama8b = {(r["tp"], r["tokens"]): r for r in rows if r["model"] == "Llama-3-8B"}
+    assert llama8b[(2, 1)]["all_reduces"] == 65 and llama8b[(2, 1)]["KiB_per_all_reduce"] == 8.0
+    assert llama8b[(8, 256)]["comm_share"] > llama8b[(2, 256)]["comm_share"]  # less compute per GPU, more hops

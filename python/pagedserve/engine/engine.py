@@ -33,6 +33,7 @@ from pagedserve.engine.sequences import REJECTED_ERROR, Sequences
 from pagedserve.engine.snapshot import engine_snapshot
 from pagedserve.engine.tokenizer import bad_words_token_ids, encode_prompt, eos_token_ids, load_tokenizer
 from pagedserve.engine.validation import EngineLimits, check_text, validate_request
+from pagedserve.distributed.launch import make_worker
 from pagedserve.engine_config import EngineConfig, resolve_defaults
 from pagedserve.errors import RequestError
 from pagedserve.models.default_model import model_path
@@ -40,7 +41,6 @@ from pagedserve.models.model_config import ModelConfig, check_device_usable, res
 from pagedserve.outputs import Logprob, RequestOutput
 from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.sampling_params import DEFAULT_SAMPLING, SamplingParams
-from pagedserve.worker.worker import Worker
 
 logger = logging.getLogger("pagedserve")
 
@@ -64,7 +64,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir) if has_tokenizer else None
         configured_eos = self.model_config.eos_token_ids
         self.eos_token_ids = eos_token_ids(self.tokenizer, configured_eos) if self.tokenizer else list(configured_eos)
-        self.worker = Worker(self.config, self.model_config, self.eos_token_ids)
+        # A Worker, or with tensor_parallel_size > 1 the driver of the ranks' group (distributed/)
+        self.worker = make_worker(self.config, self.model_config, self.eos_token_ids)
         plan = self.worker.kv_plan
         self.max_model_len = plan.max_model_len
         self.scheduler = _core.Scheduler(_core.SchedulerConfig(
@@ -286,14 +287,16 @@ class LLMEngine:
         return entry
 
     def check_health(self) -> None:
-        """Raises EngineDeadError when a process this engine depends on died or hung (the server asks
-        while idle). One process has none to lose."""
+        """Raises EngineDeadError when a process this engine depends on died or hung (a tensor-parallel
+        rank; the server asks while idle)."""
+        self.worker.check_health()
 
     def shutdown(self) -> None:
-        """Aborts what is left and frees the device memory (weights, KV cache, CUDA graphs) now,
-        rather than whenever the garbage collector gets to it."""
+        """Aborts what is left, stops the tensor-parallel ranks and frees the device memory (weights, KV
+        cache, CUDA graphs) now, rather than whenever the garbage collector gets to it."""
         self.abort_request(list(self.requests))
         device = self.worker.device
+        self.worker.close()
         del self.worker
         self.scheduler = None
         import gc

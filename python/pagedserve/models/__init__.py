@@ -7,6 +7,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from pagedserve.distributed.context import SINGLE, ParallelContext
 from pagedserve.models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from pagedserve.models.granite import GraniteForCausalLM
@@ -46,13 +47,15 @@ def model_class(architecture: str) -> type[nn.Module]:
 
 
 def build_model(model_config: ModelConfig, device: Union[str, torch.device, None] = None,
-                load_format: str = "auto", seed: int = 0) -> nn.Module:
+                load_format: str = "auto", seed: int = 0, parallel: ParallelContext = SINGLE) -> nn.Module:
     """Allocates the model on ``device`` (default: the config's) in the config's dtype and fills its weights.
 
     load_format: "auto" / "safetensors" / "pt" read ``model_config.model_dir``; "dummy" draws seeded random weights.
+    parallel: a tensor-parallel rank's context: the model holds, and reads from the checkpoint, its shard only.
     """
     target: Optional[torch.device] = torch.device(device) if device is not None else model_config.device
-    model = model_class(model_config.architecture)(model_config, target)
+    cls = model_class(model_config.architecture)
+    model = cls(model_config, target, parallel) if parallel.is_parallel else cls(model_config, target)
     load_weights(model, model_config.model_dir, load_format=load_format, seed=seed)
     return model.eval()
 

@@ -90,15 +90,23 @@ class CheckpointReader:
     def first_present(self, names: Iterable[str]) -> Optional[str]:
         return next((name for name in names if name in self._source_by_name), None)
 
-    def get(self, name: str, needed_for: str) -> torch.Tensor:
+    def get(self, name: str, needed_for: str, part=None) -> torch.Tensor:
+        """The tensor, or only `part` of it (a parallel_layers.Part: a tensor-parallel rank's rows or
+        columns, read alone from a safetensors file)."""
         source = self._source_by_name.get(name)
         if source is None:
             searched = ", ".join(path.name for path in self.files)
             raise MissingTensorError(f"checkpoint is missing tensor {name!r} (needed for parameter {needed_for!r}); "
                                      f"searched: {searched} in {str(self.files[0].parent)!r}")
-        if isinstance(source, torch.Tensor):
-            return source
-        return source.get_tensor(name)  # type: ignore[attr-defined]
+        if part is None:
+            return source if isinstance(source, torch.Tensor) else source.get_tensor(name)  # type: ignore
+        whole = source if isinstance(source, torch.Tensor) else source.get_slice(name)  # type: ignore
+        shape = list(whole.shape) if isinstance(whole, torch.Tensor) else whole.get_shape()
+        if len(shape) <= part.dim or shape[part.dim] != part.full:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, expected {part.full} along dimension "
+                             f"{part.dim} (does config.json match the weights?)")
+        index = (slice(None),) * part.dim + (slice(part.start, part.start + part.length),)
+        return whole[index]
 
 
 def read_weight_map(index_path: Path) -> dict[str, str]:

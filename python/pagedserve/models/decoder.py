@@ -26,13 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import ops
+from pagedserve.distributed.context import SINGLE, ParallelContext
 from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.models.families import SLIDING
-from pagedserve.models.layers import (Embedding, LayerNorm, Linear, PagedAttention, RMSNorm, RotaryEmbedding,
+from pagedserve.models.layers import (LayerNorm, Linear, PagedAttention, RMSNorm, RotaryEmbedding,
                                       activation, activation_and_mul)
 from pagedserve.models.linear_kernels import LinearKernel, PackedBf16
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.models.moe import SparseMoeBlock
+from pagedserve.models.parallel_layers import (HeadLayout, attention_output_linear, column_linear, embedding,
+                                               heads_norm, lm_head_linear, qkv_linear, row_linear)
 
 
 @dataclass(frozen=True)
@@ -55,23 +58,29 @@ def make_norm(config: ModelConfig, spec: DecoderSpec, size: int, dtype: torch.dt
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, spec: DecoderSpec, layer: int, rotary: Optional[RotaryEmbedding],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        heads = HeadLayout.of(config.num_heads, config.num_kv_heads, parallel)  # this rank's heads
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
-        self.q_size = config.q_size
-        self.kv_size = config.kv_size
-        self.qkv_proj = Linear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size), config.qkv_bias,
-                               dtype, device)
-        self.o_proj = Linear(self.q_size, (config.hidden_size,), config.o_bias, dtype, device)
-        self.q_norm: Optional[RMSNorm] = None
-        self.k_norm: Optional[RMSNorm] = None
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = qkv_linear(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                                   config.qkv_bias, dtype, device, parallel)
+        self.o_proj = attention_output_linear(config.num_heads, config.num_kv_heads, config.head_dim,
+                                              config.hidden_size, config.o_bias, dtype, device, parallel)
         self.qk_norm_per_head = spec.qk_norm_per_head
-        if config.qk_norm:
-            q_size, k_size = (self.head_dim, self.head_dim) if spec.qk_norm_per_head else (self.q_size, self.kv_size)
-            self.q_norm = RMSNorm(q_size, config.rms_norm_eps, dtype, device, spec.norm_offset)
-            self.k_norm = RMSNorm(k_size, config.rms_norm_eps, dtype, device, spec.norm_offset)
+        self.q_norm: Optional[nn.Module] = None
+        self.k_norm: Optional[nn.Module] = None
+        if config.qk_norm and spec.qk_norm_per_head:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, spec.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, device, spec.norm_offset)
+        elif config.qk_norm:  # OLMo2: over all heads together, which a tensor-parallel rank holds a slice of
+            self.q_norm = heads_norm(config.num_heads, config.num_kv_heads, config.head_dim, False,
+                                     config.rms_norm_eps, dtype, device, parallel)
+            self.k_norm = heads_norm(config.num_heads, config.num_kv_heads, config.head_dim, True,
+                                     config.rms_norm_eps, dtype, device, parallel)
         self.rotary = rotary  # shared by the layers of one rope: one cos/sin table; None: no rope (SmolLM3)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scale=config.attention_scale,
                                    window=config.layer_window(layer), softcap=config.attn_logit_softcap)
@@ -98,11 +107,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelContext = SINGLE):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, (size, size), config.mlp_bias, dtype, device)
-        self.down_proj = Linear(size, (config.hidden_size,), config.mlp_bias, dtype, device)
+        self.gate_up_proj = column_linear(config.hidden_size, (size, size), config.mlp_bias, dtype, device, parallel)
+        self.down_proj = row_linear(size, config.hidden_size, config.mlp_bias, dtype, device, parallel)
         self.act = activation_and_mul(config.hidden_act)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -112,10 +122,11 @@ class MLP(nn.Module):
 class DenseMLP(nn.Module):
     """Phi-2's MLP: fc2(act(fc1(x))), both with biases."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.fc1 = Linear(config.hidden_size, (config.intermediate_size,), True, dtype, device)
-        self.fc2 = Linear(config.intermediate_size, (config.hidden_size,), True, dtype, device)
+        self.fc1 = column_linear(config.hidden_size, (config.intermediate_size,), True, dtype, device, parallel)
+        self.fc2 = row_linear(config.intermediate_size, config.hidden_size, True, dtype, device, parallel)
         self.act = activation(config.hidden_act)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -124,15 +135,17 @@ class DenseMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, spec: DecoderSpec, layer: int, rotary: Optional[RotaryEmbedding],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.placement = spec.placement
         self.residual_multiplier = config.residual_multiplier
-        self.self_attn = Attention(config, spec, layer, rotary, dtype, device)
+        self.self_attn = Attention(config, spec, layer, rotary, dtype, device, parallel)
         sparse = config.moe is not None and config.moe.is_sparse(layer)
-        dense: nn.Module = DenseMLP(config, dtype, device) if spec.dense_mlp else MLP(config, dtype, device)
-        self.mlp: nn.Module = (SparseMoeBlock.from_config(config.moe, config.hidden_size, dtype, device) if sparse
-                               else dense)
+        self.mlp: nn.Module
+        if sparse:
+            self.mlp = SparseMoeBlock.from_config(config.moe, config.hidden_size, dtype, device, parallel)
+        else:
+            self.mlp = (DenseMLP if spec.dense_mlp else MLP)(config, dtype, device, parallel)
 
         def norm() -> nn.Module:
             return make_norm(config, spec, config.hidden_size, dtype, device)
@@ -178,9 +191,10 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, spec: DecoderSpec, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, spec: DecoderSpec, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size, dtype, device, parallel)
         self.embed_scale = config.embedding_multiplier
         if spec.embed_scale_sqrt_hidden:  # transformers rounds sqrt(hidden) to the model dtype first
             self.embed_scale *= torch.tensor(math.sqrt(config.hidden_size), dtype=dtype).item()
@@ -192,7 +206,7 @@ class DecoderModel(nn.Module):
         self.rotary = rotary(config.rope_theta, config.rope_scaling)
         self.sliding_rotary = rotary(*config.sliding_rope) if config.sliding_rope is not None else self.rotary
         self.layers = nn.ModuleList(
-            DecoderLayer(config, spec, i, self._layer_rotary(config, i), dtype, device)
+            DecoderLayer(config, spec, i, self._layer_rotary(config, i), dtype, device, parallel)
             for i in range(config.num_layers))
         self.norm = make_norm(config, spec, config.hidden_size, dtype, device)
         self.fused: Optional[Callable] = None  # all layers in one C++ call (fused_layers.py)
@@ -233,15 +247,18 @@ class DecoderForCausalLM(nn.Module):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
-    def __init__(self, config: ModelConfig, device: Optional[torch.device] = None):
+    def __init__(self, config: ModelConfig, device: Optional[torch.device] = None,
+                 parallel: ParallelContext = SINGLE):
+        """parallel: this rank's place in a tensor-parallel group; the model then holds its shard."""
         super().__init__()
         self.config = config
+        self.parallel = parallel
         device = torch.device(device) if device is not None else config.device
-        self.model = DecoderModel(config, self.spec, config.dtype, device)
+        self.model = DecoderModel(config, self.spec, config.dtype, device, parallel)
         self.lm_head: Optional[Linear] = None
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, (config.vocab_size,), self.spec.lm_head_bias, config.dtype,
-                                  device)
+            self.lm_head = lm_head_linear(config.hidden_size, config.vocab_size, self.spec.lm_head_bias, config.dtype,
+                                          device, parallel)
         self.lm_head_kernel: Optional[LinearKernel] = None  # lm_head_weight() in a CPU kernel's format
 
     def lm_head_weight(self) -> torch.Tensor:
@@ -271,12 +288,19 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions.to(torch.int32), attn, kv_cache)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [R, H] -> logits [R, vocab] in the model's dtype (the sampler upcasts if it must)."""
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """hidden [R, H] -> logits [R, vocab] in the model's dtype (the sampler upcasts if it must).
+        Tensor-parallel: every rank computes its vocabulary shard and the driver gets them all; the
+        other ranks get None (only the driver samples)."""
         if self.lm_head_kernel is not None:
             logits = self.lm_head_kernel(hidden, self.lm_head_bias())
         else:
             logits = F.linear(hidden, self.lm_head_weight(), self.lm_head_bias())
+        if self.parallel.is_parallel:
+            logits = self.parallel.gather_to_driver(logits)
+            if logits is None:
+                return None
+            logits = logits[:, :self.config.vocab_size]  # the last shard's padding
         if self.config.logits_scaling != 1.0:  # Granite
             logits = logits / self.config.logits_scaling
         if self.config.final_logit_softcap:  # Gemma 2

@@ -16,6 +16,13 @@ They load from that fused layout or from the per-expert tensors checkpoints
 store (``experts.{e}.gate_proj/up_proj/down_proj`` or Mixtral's ``w1/w3/w2``).
 On a CPU they can be packed per expert into the bf16 tiles of
 ``ops.packed_linear`` like every dense Linear (cpu_weight_packing.py).
+
+Tensor-parallel: the experts are split across the ranks (rank r holds experts
+[r*E/N, (r+1)*E/N), each whole); the router and the shared expert's gate are
+replicated, so every rank routes every token alike. A rank runs the (token,
+expert) pairs of its own experts; the pairs of other ranks' experts sort after
+them and add nothing. The shared expert is column/row split. The block's output,
+experts and shared expert together, is summed over the ranks in one all-reduce.
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve import ops
+from pagedserve.distributed.context import SINGLE, ParallelContext
 from pagedserve.models.layers import Linear, SiluAndMul
 from pagedserve.models.moe_config import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, MoeConfig
+from pagedserve.models.parallel_layers import Part, column_linear, row_linear
 from pagedserve.models.weights import require_shape
 
 
@@ -105,9 +114,13 @@ class FusedExperts(nn.Module):
     """E gated-SiLU MLPs as two 3D weights; forward(hidden, routing weights, expert ids) -> [T, H]."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 device: torch.device, checkpoint_names: tuple[str, str, str] = QWEN_EXPERT_NAMES):
+                 device: torch.device, checkpoint_names: tuple[str, str, str] = QWEN_EXPERT_NAMES,
+                 parallel: ParallelContext = SINGLE):
+        """num_experts: all of the model's; this rank holds experts [first_expert, first_expert + local)."""
         super().__init__()
-        self.num_experts = num_experts
+        self.total_experts = num_experts
+        self.first_expert, num_experts = parallel.split(num_experts)
+        self.num_experts = num_experts  # this rank's
         self.intermediate_size = intermediate_size
         self.checkpoint_names = checkpoint_names
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype,
@@ -130,15 +143,21 @@ class FusedExperts(nn.Module):
         """hidden [T, H]; weights [T, k] float32; ids [T, k] -> sum_k weights * expert_ids(hidden), [T, H]."""
         num_tokens, top_k = ids.shape
         flat_ids = ids.reshape(-1)
+        local = self.num_experts != self.total_experts
+        if local:  # other ranks' experts: one bucket sorted last, which no expert reads
+            flat_ids = flat_ids - self.first_expert
+            flat_ids = torch.where((flat_ids >= 0) & (flat_ids < self.num_experts), flat_ids, self.num_experts)
         order = torch.argsort(flat_ids, stable=True)
         token_of = order // top_k
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=hidden.device)
+        counts = torch.zeros(self.num_experts + local, dtype=torch.int32, device=hidden.device)
         counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-        offsets = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=hidden.device)
+        offsets = torch.zeros(self.num_experts + 1 + local, dtype=torch.int32, device=hidden.device)
         torch.cumsum(counts, 0, out=offsets[1:])
-        expert_out = grouped_expert_products(hidden[token_of], self.gate_up_proj, self.down_proj, offsets,
-                                             self.packed)
+        expert_out = grouped_expert_products(hidden[token_of], self.gate_up_proj, self.down_proj,
+                                             offsets[:self.num_experts + 1], self.packed)
         weighted = expert_out.float() * weights.reshape(-1)[order].unsqueeze(1)
+        if local:  # rows past the last local expert were never written
+            weighted = torch.where((flat_ids[order] < self.num_experts).unsqueeze(1), weighted, 0.0)
         out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         out.index_add_(0, token_of, weighted)
         return out.to(hidden.dtype)
@@ -147,28 +166,36 @@ class FusedExperts(nn.Module):
         """Fills gate_up_proj / down_proj from the fused 3D tensor or from the E per-expert matrices."""
         fused = f"{module_path}.{leaf}"
         if source.resolve(fused) is not None:
-            tensor = source.get(fused, fused)
+            mine = Part(0, self.first_expert, self.num_experts, self.total_experts)
+            tensor = source.get(fused, fused, mine if self.num_experts != self.total_experts else None)
             require_shape(fused, tensor, tuple(param.shape))
             param.data.copy_(tensor)
             return
         gate, up, down = self.checkpoint_names
         parts = (gate, up) if leaf == "gate_up_proj" else (down,)
         rows = param.shape[1] // len(parts)
+        for expert in range(self.total_experts):  # the other ranks' experts are theirs to read
+            if not self.first_expert <= expert < self.first_expert + self.num_experts:
+                for part in parts:
+                    source.claim(f"{module_path}.{expert}.{part}.weight")
         for expert in range(self.num_experts):
             for index, part in enumerate(parts):
-                name = f"{module_path}.{expert}.{part}.weight"
+                name = f"{module_path}.{self.first_expert + expert}.{part}.weight"
                 tensor = source.get(name, fused)
                 require_shape(name, tensor, (rows, param.shape[2]))
                 param.data[expert, index * rows:(index + 1) * rows].copy_(tensor)
 
 
 class GatedMLP(nn.Module):
-    """A dense SiLU-gated MLP of any width (the Qwen2-MoE shared expert, dense layers of MoE models)."""
+    """A dense SiLU-gated MLP of any width (the Qwen2-MoE shared expert). Tensor-parallel, its output is
+    this rank's partial sum (the MoE block reduces it with the experts')."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, (intermediate_size, intermediate_size), False, dtype, device)
-        self.down_proj = Linear(intermediate_size, (hidden_size,), False, dtype, device)
+        self.gate_up_proj = column_linear(hidden_size, (intermediate_size, intermediate_size), False, dtype, device,
+                                          parallel)
+        self.down_proj = row_linear(intermediate_size, hidden_size, False, dtype, device, parallel, reduce=False)
         self.act = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -180,25 +207,27 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  dtype: torch.dtype, device: torch.device, shared_intermediate_size: int = 0,
-                 checkpoint_names: tuple[str, str, str] = QWEN_EXPERT_NAMES):
+                 checkpoint_names: tuple[str, str, str] = QWEN_EXPERT_NAMES, parallel: ParallelContext = SINGLE):
         super().__init__()
+        self.parallel = parallel
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
         self.top_k = top_k
         self.renormalize = renormalize
         self.gate = Linear(hidden_size, (num_experts,), False, dtype, device)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, dtype, device, checkpoint_names)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, dtype, device, checkpoint_names,
+                                    parallel)
         self.shared_expert: Optional[GatedMLP] = None
         self.shared_expert_gate: Optional[Linear] = None
         if shared_intermediate_size > 0:
-            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, dtype, device)
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, dtype, device, parallel)
             self.shared_expert_gate = Linear(hidden_size, (1,), False, dtype, device)
 
     @classmethod
-    def from_config(cls, moe: MoeConfig, hidden_size: int, dtype: torch.dtype,
-                    device: torch.device) -> "SparseMoeBlock":
+    def from_config(cls, moe: MoeConfig, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                    parallel: ParallelContext = SINGLE) -> "SparseMoeBlock":
         return cls(hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.renormalize, dtype, device,
-                   moe.shared_expert_intermediate_size, moe.expert_names)
+                   moe.shared_expert_intermediate_size, moe.expert_names, parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> [T, H]."""
@@ -207,7 +236,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
             out += torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
-        return out
+        return self.parallel.all_reduce(out)
 
 
 __all__ = ["FusedExperts", "GatedMLP", "MIXTRAL_EXPERT_NAMES", "PackedExperts", "QWEN_EXPERT_NAMES", "SparseMoeBlock",

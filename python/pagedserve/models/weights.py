@@ -75,11 +75,18 @@ class TensorSource:
         candidates = [name] + [name.replace(ours, theirs) for ours, theirs in self.aliases.items() if ours in name]
         return self.reader.first_present(candidates)
 
-    def get(self, name: str, needed_for: str) -> torch.Tensor:
+    def get(self, name: str, needed_for: str, part=None) -> torch.Tensor:
+        """The tensor ``name``, or only ``part`` of it (a tensor-parallel shard, parallel_layers.Part)."""
         actual = self.resolve(name) or name
-        tensor = self.reader.get(actual, needed_for)  # raises MissingTensorError, naming ``name``
+        tensor = self.reader.get(actual, needed_for, part)  # raises MissingTensorError, naming ``name``
         self.used.add(actual)
         return tensor
+
+    def claim(self, name: str) -> None:
+        """Marks ``name`` as this model's without reading it (another tensor-parallel rank's expert)."""
+        actual = self.resolve(name)
+        if actual is not None:
+            self.used.add(actual)
 
 
 def load_checkpoint_weights(model: nn.Module, model_dir: Path, load_format: str = "auto") -> None:
@@ -94,7 +101,7 @@ def load_checkpoint_weights(model: nn.Module, model_dir: Path, load_format: str 
             if custom is not None:
                 custom(leaf, param, module_path, source)
             else:
-                _load_parameter(model, param_name, param, packed, source)
+                _load_parameter(model, param_name, param, packed, source, getattr(modules[module_path], "shard", None))
         _reject_unsupported_leftovers(reader.names() - source.used, type(model).__name__)
 
 
@@ -121,27 +128,48 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def _load_parameter(model: nn.Module, param_name: str, param: torch.Tensor, packed: Mapping[str, Sequence[str]],
-                    source: TensorSource) -> None:
-    """Fills one parameter (a merged one from its row blocks)."""
+                    source: TensorSource, shard=None) -> None:
+    """Fills one parameter (a merged one from its row blocks). ``shard`` (parallel_layers.LinearShard, None for
+    a whole parameter): the part of each checkpoint tensor a tensor-parallel rank holds."""
     module_path, _, leaf = param_name.rpartition(".")
     parent_path, _, module_name = module_path.rpartition(".")
     sources = packed.get(module_name)
     if sources is None:
-        tensor = source.get(param_name, param_name)
-        require_shape(param_name, tensor, tuple(param.shape))
-        param.data.copy_(tensor)
+        parts = shard.fused_parts(leaf) if shard is not None else []
+        if not parts:  # the whole tensor: one process, or a row-parallel bias (whole on every rank)
+            tensor = source.get(param_name, param_name)
+            require_shape(param_name, tensor, tuple(param.shape))
+            param.data.copy_(tensor)
+            return
+        for first_row, part in parts:
+            _copy_part(param, first_row, source.get(param_name, param_name, part), part, param_name)
         return
     prefix = f"{parent_path}." if parent_path else ""
     names = [f"{prefix}{part}.{leaf}" for part in sources]
     output_sizes = _output_sizes(model, module_path, len(names))
     row = 0
-    for name, rows in zip(names, output_sizes):
-        tensor = source.get(name, param_name)
+    for index, (name, rows) in enumerate(zip(names, output_sizes)):
+        part = shard.part(leaf, index) if shard is not None else None
+        tensor = source.get(name, param_name, part)
         require_shape(name, tensor, (rows, *param.shape[1:]))
         param.data[row:row + rows].copy_(tensor)
         row += rows
     if row != param.shape[0]:
         raise ValueError(f"parameter {param_name!r} has {param.shape[0]} rows but its sources give {row}")
+
+
+def _copy_part(param: torch.Tensor, first_row: int, tensor: torch.Tensor, part, name: str) -> None:
+    """A shard's part into the parameter: columns (dim 1) fill it, rows go from ``first_row`` on. Rows past
+    the vocabulary's last token (the last shard's padding, which no checkpoint row fills) become zero."""
+    expected = list(param.shape)
+    expected[part.dim] = part.length
+    require_shape(name, tensor, tuple(expected))
+    if part.dim == 1:
+        param.data.copy_(tensor)
+        return
+    param.data[first_row:first_row + part.length].copy_(tensor)
+    if part.start + part.length == part.full and first_row + part.length < param.shape[0]:
+        param.data[first_row + part.length:].zero_()
 
 
 def _output_sizes(model: nn.Module, module_path: str, num_sources: int) -> tuple[int, ...]:

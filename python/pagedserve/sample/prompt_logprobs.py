@@ -10,6 +10,7 @@ The results reach the host in one copy (PendingSamples.copy).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -42,20 +43,26 @@ class PromptLogprobsPlan:
     recompute: list[Recompute] = field(default_factory=list)
 
 
-def launch(plan: PromptLogprobsPlan, model, hidden_rows: torch.Tensor, vocab_size: int) -> PendingSamples:
+def launch(plan: PromptLogprobsPlan, model, hidden_rows: torch.Tensor, vocab_size: int) -> Optional[PendingSamples]:
     """Queues the logprobs of `hidden_rows` ([len(plan.targets), H], the plan's rows in order) on the
-    device; result() gives one SampleLogprobs per row."""
+    device; result() gives one SampleLogprobs per row. None on a tensor-parallel rank other than the
+    driver: it joins each slice's compute_logits (a gather to the driver) and computes nothing more."""
     device = hidden_rows.device
     targets = torch.tensor(plan.targets, dtype=torch.int64).to(device, non_blocking=True)
     parts = []
     for start in range(0, hidden_rows.shape[0], _ROWS_PER_SLICE):
         rows = slice(start, start + _ROWS_PER_SLICE)
-        logprobs = model.compute_logits(hidden_rows[rows])[:, :vocab_size].float().log_softmax(dim=-1)
+        logits = model.compute_logits(hidden_rows[rows])
+        if logits is None:
+            continue
+        logprobs = logits[:, :vocab_size].float().log_softmax(dim=-1)
         chosen = logprobs.gather(1, targets[rows].unsqueeze(1))
         ranks = (logprobs > chosen).sum(dim=-1, keepdim=True).to(torch.int32) + 1
         top_values, top_ids = logprobs.topk(plan.top_n, dim=-1)
         parts.append(torch.cat([chosen.view(torch.int32), ranks, top_ids.to(torch.int32),
                                 top_values.view(torch.int32)], dim=1))
+    if not parts and hidden_rows.shape[0]:
+        return None
     packed = torch.cat(parts) if parts else torch.empty(0, 2 + 2 * plan.top_n, dtype=torch.int32, device=device)
     return PendingSamples.copy(packed, lambda host: _unpack(host, plan))
 

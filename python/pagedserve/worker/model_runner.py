@@ -39,18 +39,22 @@ class ModelRunner:
         self.heap = HeapTrimmer(enabled=self.device.type == "cpu")  # freed activations back to the OS
 
     @torch.inference_mode()
-    def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> PendingSamples:
+    def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> Optional[PendingSamples]:
         """Queues `step` (a _core.StepOutput, or any object with its fields) and the sampling of
         `rows` (one SamplingRow per sample row) on the device; the result arrives with
         PendingSamples.result(). `grammar`: the sampler's token mask, or a callable returning it.
         `prompt_plan` (sample.prompt_logprobs.PromptLogprobsPlan, prefill steps only): the prompt
-        logprobs to compute too; they arrive with the result's `prompt_logprobs.result()`."""
+        logprobs to compute too; they arrive with the result's `prompt_logprobs.result()`.
+        A tensor-parallel rank other than the driver runs the same model calls (and so the same
+        collectives) and returns None: its model hands it no logits to sample."""
         self.heap.note_step(int(step.num_tokens))
         with _torch_threads(self.torch_threads):
             if step.block_copies.shape[0]:
                 copies = torch.from_numpy(step.block_copies.copy()).to(self.device, non_blocking=True)
                 ops.copy_blocks(self.kv_cache, copies)
             logits, prompt_pending = self._forward(step, prompt_plan)
+            if logits is None:
+                return None
             if callable(grammar):  # the structured-output mask: filled on the host while the device runs the forward
                 grammar = grammar()
             pending = self.sampler.launch(logits, rows, grammar)

@@ -4,6 +4,11 @@ The model (weights loaded, packed for the CPU where that is lossless), the
 sampler, the KV cache sized by a KVPlan, and the ModelRunner that executes
 steps over them. The engine reads `kv_plan` to size its scheduler; it never
 reaches further in than `execute_async`.
+
+Tensor-parallel (`parallel`, a ParallelContext), every rank builds its Worker
+alike over its shard: the model's slices, the KV cache of its KV heads with the
+same number of blocks (on a GPU, the smallest any rank's memory allows), and a
+runner that executes every step; only the driver's samples (distributed/).
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from typing import Sequence
 import torch
 
 from pagedserve import ops
+from pagedserve.distributed.context import SINGLE, ParallelContext
 from pagedserve.engine_config import EngineConfig
 from pagedserve.models import build_model
 from pagedserve.models.cpu_weight_packing import pack_cpu_weights
 from pagedserve.models.fused_layers import fuse_decoder_layers
 from pagedserve.models.model_config import ModelConfig
+from pagedserve.models.parallel_layers import HeadLayout
 from pagedserve.sample.sampler import PendingSamples, Sampler
 from pagedserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype
 from pagedserve.worker.memory_budget import KVPlan, kv_cache_budget_bytes, plan_kv_cache
@@ -31,13 +38,17 @@ logger = logging.getLogger("pagedserve")
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, eos_token_ids: Sequence[int]):
-        """config: resolved (engine_config.resolve_defaults); model_config: on the device to run on."""
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, eos_token_ids: Sequence[int],
+                 parallel: ParallelContext = SINGLE):
+        """config: resolved (engine_config.resolve_defaults); model_config: on the device to run on;
+        parallel: this rank's place in a tensor-parallel group."""
         mc, device = model_config, model_config.device
         self.device = device
         self.model_config = mc
+        self.parallel = parallel
+        self.num_kv_heads = HeadLayout.of(mc.num_heads, mc.num_kv_heads, parallel).num_kv_heads  # this rank's
         baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        self.model = build_model(mc, device, load_format=config.load_format, seed=config.seed)
+        self.model = build_model(mc, device, load_format=config.load_format, seed=config.seed, parallel=parallel)
         packed = device.type == "cpu" and pack_cpu_weights(self.model, config.cpu_weight_dtype)
         if packed and config.cpu_fused_layers:
             fuse_decoder_layers(self.model)
@@ -45,13 +56,15 @@ class Worker:
         self._workspace = ops.paged_attention_workspace(config.max_num_seqs, mc.num_heads, mc.head_dim,
                                                         config.max_model_len, device)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, mc.dtype, device.type, config.cpu_precision)
-        per_block = bytes_per_block(mc.num_layers, mc.num_kv_heads, config.block_size, mc.head_dim, kv_dtype)
+        per_block = bytes_per_block(mc.num_layers, self.num_kv_heads, config.block_size, mc.head_dim, kv_dtype)
+        per_block = parallel.max_int(per_block, device)  # ranks may hold unequal KV heads: plan the same blocks
         self.kv_plan: KVPlan = plan_kv_cache(
             config, mc.max_position_embeddings, per_block,
-            lambda: kv_cache_budget_bytes(lambda: self._run_worst_case_step(config), config.gpu_memory_utilization,
-                                          device, baseline_bytes), mc.kv_window, dtype=kv_dtype)
+            lambda: parallel.min_int(kv_cache_budget_bytes(lambda: self._run_worst_case_step(config),
+                                                           config.gpu_memory_utilization, device, baseline_bytes),
+                                     device), mc.kv_window, dtype=kv_dtype)
         plan = self.kv_plan
-        kv_cache = allocate_kv_cache(mc.num_layers, plan.num_blocks, mc.num_kv_heads, plan.block_size, mc.head_dim,
+        kv_cache = allocate_kv_cache(mc.num_layers, plan.num_blocks, self.num_kv_heads, plan.block_size, mc.head_dim,
                                      plan.dtype, device)
         inputs = self._step_inputs(config, plan.max_model_len)
         graphs = None
@@ -70,6 +83,12 @@ class Worker:
     def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> PendingSamples:
         return self.runner.execute_async(step, rows, grammar, prompt_plan)
 
+    def check_health(self) -> None:
+        """Raises EngineDeadError when the worker cannot run another step (a single process always can)."""
+
+    def close(self) -> None:
+        """Nothing to stop: the memory goes with the object."""
+
     def _step_inputs(self, config: EngineConfig, max_model_len: int) -> StepInputs:
         return StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
                           math.ceil(max_model_len / config.block_size), self.device, self._workspace)
@@ -82,8 +101,10 @@ class Worker:
         step = worst_case_step(tokens, config.max_model_len, config.block_size,
                                num_logit_rows=config.max_num_seqs, vocab_size=mc.vocab_size)
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, mc.dtype, self.device.type, config.cpu_precision)
-        scratch = allocate_kv_cache(mc.num_layers, step.block_tables.size, mc.num_kv_heads, config.block_size,
+        scratch = allocate_kv_cache(mc.num_layers, step.block_tables.size, self.num_kv_heads, config.block_size,
                                     mc.head_dim, kv_dtype, self.device)
         inputs = StepInputs(tokens, step.num_seqs, step.max_blocks_per_seq, self.device, self._workspace)
         runner = ModelRunner(self.model, scratch, self.sampler, inputs)
-        runner.execute_async(step, worst_case_rows(len(step.logits_indices))).result()
+        pending = runner.execute_async(step, worst_case_rows(len(step.logits_indices)))
+        if pending is not None:  # None: a tensor-parallel rank other than the driver, which samples nothing
+            pending.result()
