@@ -119,7 +119,7 @@ class VocabParallelEmbedding(Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids.long() - self.first
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).to(self.dtype)  # a bf16-kept table widens
         out.masked_fill_(outside.unsqueeze(1), 0.0)
         return self.parallel.all_reduce(out)
 
