@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string_view>
 
 #include "attention_options.h"
 #include "tensor_view.h"
@@ -81,6 +82,18 @@ void pack_linear_weight(const TensorView& packed, const TensorView& weight);
 // x: [M, K] float32; out: [M, N] float32; bias: [N] float32.
 void packed_linear(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
                    const std::optional<TensorView>& bias);
+
+// out = bf16(x) W^T (+ bias) with bf16 activations (packed_linear_bf16.cc):
+// x float32 (rounded to bf16, nearest-even) or bfloat16; every product of
+// two bf16 values is exact, the sums are float32, out is float32 or bfloat16
+// (rounded once). Twice the multiply-adds per instruction of packed_linear
+// on AVX512_BF16 (vdpbf16ps) and a third of its AMX tile products.
+// x: [M, K]; out: [M, N]; packed_weight from pack_linear_weight; bias: [N] float32.
+void packed_linear_bf16(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
+                        const std::optional<TensorView>& bias);
+// The kernel packed_linear_bf16 runs at the current cpu_isa(): "amx_bf16",
+// "avx512_bf16", or "<level>_widened" (weights widened to float32 FMAs).
+std::string_view packed_linear_bf16_kernel();
 
 // Mixture-of-experts expert products, rows grouped by expert
 // (grouped_linear.h has the layout): for each expert e, rows

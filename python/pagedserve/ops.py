@@ -37,6 +37,8 @@ __all__ = [
     "sample_tokens",
     "pack_linear_weight",
     "packed_linear",
+    "packed_linear_bf16",
+    "cpu_kernels",
     "pack_grouped_weight",
     "packed_grouped_linear",
 ]
@@ -200,6 +202,14 @@ def packed_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tenso
     _cpu_ops.packed_linear(_dl(out), _dl(x), _dl(packed_weight), None if bias is None else _dl(bias))
 
 
+def packed_linear_bf16(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tensor,
+                       bias: Optional[torch.Tensor] = None) -> None:
+    """out = bf16(x) W^T (+ bias) on the CPU with bf16 activations (AVX512_BF16 / AMX; see cpu_kernels()):
+    x [M, K] float32 (rounded to bf16, nearest-even) or bfloat16; products exact, float32 sums;
+    out [M, N] float32 or bfloat16; W from pack_linear_weight; bias float32."""
+    _cpu_ops.packed_linear_bf16(_dl(out), _dl(x), _dl(packed_weight), None if bias is None else _dl(bias))
+
+
 def pack_grouped_weight(weight: torch.Tensor) -> torch.Tensor:
     """CPU expert weights [E, N, K] in packed_linear's bf16 tiles, one expert after another:
     [E, ceil(N / 16), round_up(K, 32) / 2, 32] bfloat16 (values rounded to bf16)."""
@@ -226,5 +236,12 @@ def num_threads() -> int:
 
 
 def cpu_isa() -> str:
-    """The instruction set the CPU kernels run with: 'baseline' (SSE2), 'avx2', 'avx512' or 'amx' (AVX-512 plus AMX tiles for packed_linear)."""
+    """The instruction set the CPU kernels run with: 'baseline' (SSE2), 'avx2', 'avx512', 'avx512_bf16' (plus
+    vdpbf16ps) or 'amx' (AVX-512 plus AMX tiles for the matrix kernels)."""
     return _cpu_ops.cpu_isa()
+
+
+def cpu_kernels() -> dict[str, str]:
+    """The matrix kernel each CPU precision runs with now, for results to report:
+    float32 (packed_linear), bfloat16 (packed_linear_bf16) and int8 (int8_linear)."""
+    return {"float32": _cpu_ops.cpu_isa(), "bfloat16": _cpu_ops.packed_linear_bf16_kernel()}

@@ -37,7 +37,8 @@ class Worker:
         self.model_config = mc
         baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(mc, device, load_format=config.load_format, seed=config.seed)
-        packed = device.type == "cpu" and pack_cpu_weights(self.model, config.cpu_weight_dtype)
+        packed = device.type == "cpu" and pack_cpu_weights(self.model, config.cpu_weight_dtype,
+                                                           config.cpu_precision, config.quantization)
         self.sampler = Sampler(device, mc.vocab_size, eos_token_ids, seed=config.seed)
         self._workspace = ops.paged_attention_workspace(config.max_num_seqs, mc.num_heads, mc.head_dim,
                                                         config.max_model_len, device)
