@@ -121,6 +121,11 @@ void bind_ops(py::module_& m) {
                    "out = bf16(x) W^T (+ bias), bf16 activations (float32 x rounded to nearest-even), float32 "
                    "sums; x [M, K] float32/bfloat16, out [M, N] float32/bfloat16.",
                    py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("bias") = py::none());
+  def_op<kRelease>(m, "int8_linear", &ops::int8_linear,
+                   "out = x W^T (+ bias) with int8 channel weights (cpp/ops/int8_weight_layout.h) and x "
+                   "quantized per row to int8; x [M, K] float32/bfloat16, out [M, N] float32.",
+                   py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("scales"),
+                   py::arg("column_sums"), py::arg("bias") = py::none());
 
   def_op<kRelease>(m, "pack_grouped_weight", &ops::pack_grouped_weight,
                    "Packs weight [E, N, K] into bf16 [E, ceil(N / 16), ceil(K / 32) * 16, 32] tiles, one "
@@ -140,6 +145,9 @@ void bind_ops(py::module_& m) {
   m.def(
       "packed_linear_bf16_kernel", [] { return std::string(ops::packed_linear_bf16_kernel()); },
       "The kernel packed_linear_bf16 runs now: 'amx_bf16', 'avx512_bf16' or '<level>_widened'.");
+  m.def(
+      "int8_linear_kernel", [] { return std::string(ops::int8_linear_kernel()); },
+      "The kernel int8_linear runs now: 'amx_int8', 'avx512_vnni' or '<level>_int32'.");
   m.def(
       "supported_cpu_isas",
       [] {

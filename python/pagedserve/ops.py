@@ -12,7 +12,7 @@ stride or device).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 from torch.utils.dlpack import to_dlpack as _dl
@@ -39,6 +39,9 @@ __all__ = [
     "packed_linear",
     "packed_linear_bf16",
     "cpu_kernels",
+    "Int8Weight",
+    "quantize_int8_weight",
+    "int8_linear",
     "pack_grouped_weight",
     "packed_grouped_linear",
 ]
@@ -210,6 +213,38 @@ def packed_linear_bf16(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.
     _cpu_ops.packed_linear_bf16(_dl(out), _dl(x), _dl(packed_weight), None if bias is None else _dl(bias))
 
 
+class Int8Weight(NamedTuple):
+    """A weight [N, K] as int8 channels (cpp/ops/int8_weight_layout.h): packed [ceil(N / 16), round_up(K, 64) / 4,
+    16] int32 (4 int8 per word), scales [N] float32 (W ~ q * scale), column_sums [N] int32 (sum_k q[n, k])."""
+    packed: torch.Tensor
+    scales: torch.Tensor
+    column_sums: torch.Tensor
+
+
+def quantize_int8_weight(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-output-channel int8 of a float weight [N, K]: scale[n] = max_k |W[n, k]| / 127,
+    q = round_half_even(W / scale) in [-127, 127] (a zero row keeps scale 0), packed for int8_linear."""
+    out_features, in_features = weight.shape
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1) / 127.0
+    q = torch.round(w / torch.where(scales > 0, scales, 1.0)[:, None]).clamp_(-127, 127).to(torch.int8)
+    k_pad, n_pad = (in_features + 63) // 64 * 64, (out_features + 15) // 16 * 16
+    padded = torch.zeros(n_pad, k_pad, dtype=torch.int8)
+    padded[:out_features, :in_features] = q
+    # byte j of packed[t, g, c] = q[16t + c, 4g + j]
+    packed = padded.view(n_pad // 16, 16, k_pad // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return Int8Weight(packed.view(torch.int32).view(n_pad // 16, k_pad // 4, 16), scales.contiguous(),
+                      q.sum(dim=1, dtype=torch.int32))
+
+
+def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: Int8Weight, bias: Optional[torch.Tensor] = None) -> None:
+    """out = x W^T (+ bias) on the CPU with W from quantize_int8_weight, never dequantized: each row of x
+    [M, K] (float32 or bfloat16) is quantized to int8 on the fly, the integer dot products are exact
+    (AVX512-VNNI / AMX-int8; see cpu_kernels()), out [M, N] float32; bias float32."""
+    _cpu_ops.int8_linear(_dl(out), _dl(x), _dl(weight.packed), _dl(weight.scales), _dl(weight.column_sums),
+                         None if bias is None else _dl(bias))
+
+
 def pack_grouped_weight(weight: torch.Tensor) -> torch.Tensor:
     """CPU expert weights [E, N, K] in packed_linear's bf16 tiles, one expert after another:
     [E, ceil(N / 16), round_up(K, 32) / 2, 32] bfloat16 (values rounded to bf16)."""
@@ -244,4 +279,5 @@ def cpu_isa() -> str:
 def cpu_kernels() -> dict[str, str]:
     """The matrix kernel each CPU precision runs with now, for results to report:
     float32 (packed_linear), bfloat16 (packed_linear_bf16) and int8 (int8_linear)."""
-    return {"float32": _cpu_ops.cpu_isa(), "bfloat16": _cpu_ops.packed_linear_bf16_kernel()}
+    return {"float32": _cpu_ops.cpu_isa(), "bfloat16": _cpu_ops.packed_linear_bf16_kernel(),
+            "int8": _cpu_ops.int8_linear_kernel()}
