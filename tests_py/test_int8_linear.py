@@ -26,9 +26,9 @@ def cpu_isa(request):
 
 def _unpack(weight: ops.Int8Weight, out_features: int, in_features: int) -> np.ndarray:
     """q [N, K] back from the packed words, read as the layout header states: byte j of packed[t, g, c] is
-    q[16t + c, 4g + j]."""
+    q[16t + c, 4g + j] + 128."""
     tiles, groups, _ = weight.packed.shape
-    raw = weight.packed.contiguous().view(torch.int8).numpy().reshape(tiles, groups, 16, 4)
+    raw = weight.packed.contiguous().view(torch.uint8).numpy().astype(np.int64).reshape(tiles, groups, 16, 4) - 128
     return raw.transpose(0, 2, 1, 3).reshape(tiles * 16, groups * 4)[:out_features, :in_features]
 
 
@@ -44,20 +44,30 @@ def test_quantize_int8_weight_values_and_layout():
     assert np.abs(values).max() == 127 and (values[3] == 0).all()
     error = np.abs(values * scales[:, None] - weight.double().numpy())
     assert (error <= scales[:, None] / 2 * (1 + 1e-5)).all()  # round to nearest
-    assert torch.equal(q.column_sums, torch.from_numpy(values.sum(1).astype(np.int32)))
-    padding = q.packed.view(torch.int8).reshape(3, 32, 16, 4).permute(0, 2, 1, 3).reshape(48, 128)
-    assert (padding[37:] == 0).all() and (padding[:, 70:] == 0).all()
+    padding = q.packed.view(torch.uint8).reshape(3, 32, 16, 4).permute(0, 2, 1, 3).reshape(48, 128)
+    assert (padding[37:] == 128).all() and (padding[:, 70:] == 128).all()
 
 
 def _oracle(x: torch.Tensor, q: ops.Int8Weight, n: int, k: int, bias):
-    """x quantized per row as cpp/ops/int8_linear.cc states (float32 arithmetic), integer products in int64."""
+    """x quantized per 64-block of each row as cpp/ops/int8_linear.cc states (float32 arithmetic), each block's
+    integer products in int64; returns the result, and the float32 rounding bound of the kernel's sum."""
     xs = x.float().numpy()
-    amax = np.abs(xs).max(1, initial=0).astype(np.float32)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    qx = np.clip(np.rint((xs * inv[:, None]).astype(np.float32)), -127, 127).astype(np.int64)
-    dot = qx @ _unpack(q, n, k).astype(np.int64).T
-    product = dot * (amax / np.float32(127)).astype(np.float64)[:, None] * q.scales.double().numpy()
-    return product, product + (0 if bias is None else bias.double().numpy())
+    qw = _unpack(q, n, k).astype(np.int64)
+    total = np.zeros((x.shape[0], n))
+    magnitude = np.zeros((x.shape[0], n))
+    blocks = 0
+    for begin in range(0, k, 64):
+        xb = xs[:, begin:begin + 64]
+        amax = np.abs(xb).max(1, initial=0).astype(np.float32)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        qx = np.clip(np.rint((xb * inv[:, None]).astype(np.float32)), -127, 127).astype(np.int64)
+        part = (qx @ qw[:, begin:begin + 64].T) * (amax / np.float32(127)).astype(np.float64)[:, None]
+        total += part
+        magnitude += np.abs(part)
+        blocks += 1
+    scales = q.scales.double().numpy()
+    expected = total * scales + (0 if bias is None else bias.double().numpy())
+    return expected, magnitude * scales * 2.0 ** -23 * (blocks + 3) + np.abs(expected) * 2.0 ** -23 + 1e-30
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 64), (3, 33, 7), (1, 960, 576), (17, 100, 65),
@@ -70,13 +80,12 @@ def test_int8_linear_matches_float64(cpu_isa, rows, out_features, in_features, w
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     out = torch.full((rows, out_features), float("nan"))
     ops.int8_linear(out, x, q, bias)
-    product, expected = _oracle(x, q, out_features, in_features, bias)
-    bound = np.abs(product) * 2.0 ** -21 + np.abs(expected) * 2.0 ** -23 + 1e-30
+    expected, bound = _oracle(x, q, out_features, in_features, bias)
     assert (np.abs(out.double().numpy() - expected) <= bound).all()
     from_bf16 = torch.empty(rows, out_features)
     ops.int8_linear(from_bf16, x.to(torch.bfloat16), q, bias)
-    _, expected_bf16 = _oracle(x.to(torch.bfloat16), q, out_features, in_features, bias)
-    assert (np.abs(from_bf16.double().numpy() - expected_bf16) <= bound * 2 + 1e-6).all()
+    expected, bound = _oracle(x.to(torch.bfloat16), q, out_features, in_features, bias)
+    assert (np.abs(from_bf16.double().numpy() - expected) <= bound).all()
 
 
 def test_int8_linear_threads_bit_identical():
@@ -107,11 +116,12 @@ def test_int8_linear_rejects_bad_arguments():
 # The default model (SmolLM2-135M-Instruct) with int8 weights against the same model in float32.
 PROMPTS = ["The capital of France is", "def quicksort(arr):", "Water boils at", "A list of prime numbers: 2, 3, 5,",
            "The mitochondria is", "In 1969, the first humans"]
-# Measured on a Zen 4 (avx512_vnni): max |int8 - float32| first-step logit 3.75 (logits span -20..34), every
-# first token equal, 44/96 greedy tokens before the first difference. Per-row activation scales are the
-# coarse part (one outlier channel sets a row's step); the bounds leave room for other kernels' roundings.
-LOGIT_TOLERANCE = 6.0
-MIN_AGREEMENT = 0.3
+# Measured on a Zen 4 (avx512_vnni), activation scales per 64-block: max |int8 - float32| first-step logit
+# 2.29 (logits span -20..34), every first token equal, 75/96 greedy tokens before the first difference, 4/6
+# prompts equal throughout (per-row activation scales: 3.75 and 44/96). The bounds leave room for other
+# kernels' roundings and near-ties.
+LOGIT_TOLERANCE = 3.5
+MIN_AGREEMENT = 0.6
 
 
 def test_default_model_int8_close_to_float32(default_model_path):
@@ -126,9 +136,9 @@ def test_default_model_int8_close_to_float32(default_model_path):
         if quantization == "int8":
             assert all(isinstance(m.kernel, Int8Linear) for m in linears)
             assert isinstance(model.lm_head_kernel, Int8Linear)
-            # 1 byte per parameter + a scale and a column sum per channel (SmolLM2's K need no padding)
+            # 1 byte per parameter + a float32 scale per channel (SmolLM2's K need no padding)
             kernels = [m.kernel for m in linears] + [model.lm_head_kernel]
-            assert sum(k.nbytes() for k in kernels) == sum(k.out_features * (k.in_features + 8) for k in kernels)
+            assert sum(k.nbytes() for k in kernels) == sum(k.out_features * (k.in_features + 4) for k in kernels)
         texts = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": i} for i in ids], params,
                                                                 use_tqdm=False)]
         logits = torch.stack([first_step_logits(llm, i) for i in ids])

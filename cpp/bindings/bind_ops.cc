@@ -123,9 +123,9 @@ void bind_ops(py::module_& m) {
                    py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("bias") = py::none());
   def_op<kRelease>(m, "int8_linear", &ops::int8_linear,
                    "out = x W^T (+ bias) with int8 channel weights (cpp/ops/int8_weight_layout.h) and x "
-                   "quantized per row to int8; x [M, K] float32/bfloat16, out [M, N] float32.",
+                   "quantized to int8 per 64-block of each row; x [M, K] float32/bfloat16, out [M, N] float32.",
                    py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("scales"),
-                   py::arg("column_sums"), py::arg("bias") = py::none());
+                   py::arg("bias") = py::none());
 
   def_op<kRelease>(m, "pack_grouped_weight", &ops::pack_grouped_weight,
                    "Packs weight [E, N, K] into bf16 [E, ceil(N / 16), ceil(K / 32) * 16, 32] tiles, one "

@@ -7,15 +7,17 @@
 // holding 4 consecutive K values; AMX's int8 B tile is the same rows stacked.
 //
 // W [N, K] is quantized per output row n: scale[n] = max_k |W[n, k]| / 127,
-// q[n, k] = round_half_even(W[n, k] / scale[n]) in [-127, 127]. It is cut into
-// column tiles of kInt8Cols = 16 and K is zero-padded to a multiple of
-// kInt8KChunk = 64 (one AMX tile row of bytes):
+// q[n, k] = round_half_even(W[n, k] / scale[n]) in [-127, 127], stored as the
+// unsigned byte q + 128 (vpdpbusd's unsigned operand; the activations, with a
+// scale per 64-block of K, are the signed one). It is cut into column tiles
+// of kInt8Cols = 16 and K is padded to a multiple of kInt8KChunk = 64 (one
+// AMX tile row of bytes, and one activation block):
 //
 //     packed: [ceil(N / 16), K_pad / 4, 16] int32,  K_pad = round_up(K, 64)
-//     byte j of packed[t, g, c] = q[16t + c, 4g + j]     (zero past N or K)
+//     byte j of packed[t, g, c] = q[16t + c, 4g + j] + 128     (128 past N or K)
 //
-// column_sums[n] = sum_k q[n, k] (int32) goes with it: activations enter as
-// u8 = q_x + 128, and sum_k (q_x + 128) q_w = sum_k q_x q_w + 128 column_sums.
+// sum_k x[k] (q[k] + 128) = sum_k x[k] q[k] + 128 sum_k x[k]: the offset is
+// taken back per activation block, from the activations alone.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +26,7 @@ namespace pagedserve {
 
 inline constexpr int64_t kInt8Cols = 16;
 inline constexpr int64_t kInt8KChunk = 64;
-inline constexpr int32_t kInt8ActivationOffset = 128;
+inline constexpr int32_t kInt8WeightOffset = 128;
 
 inline int64_t int8_col_tiles(int64_t out_features) { return (out_features + kInt8Cols - 1) / kInt8Cols; }
 inline int64_t int8_k_groups(int64_t in_features) {

@@ -96,13 +96,13 @@ void packed_linear_bf16(const TensorView& out, const TensorView& x, const Tensor
 std::string_view packed_linear_bf16_kernel();
 
 // out = x W^T (+ bias) with W as int8 channels (int8_weight_layout.h:
-// packed [ceil(N / 16), round_up(K, 64) / 4, 16] int32 of 4 int8 each,
-// scales [N] float32, column_sums [N] int32) and x quantized per row to int8
-// on the fly (int8_linear.cc); the integer dot products are exact, the
-// result float32. x: [M, K] float32 or bfloat16; out: [M, N] float32;
-// bias: [N] float32.
+// packed [ceil(N / 16), round_up(K, 64) / 4, 16] int32 of 4 bytes q + 128
+// each, scales [N] float32) and x quantized on the fly to int8 with a scale
+// per 64-block of each row (int8_linear.cc); each block's integer dot
+// products are exact, the result float32. x: [M, K] float32 or bfloat16;
+// out: [M, N] float32; bias: [N] float32.
 void int8_linear(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
-                 const TensorView& scales, const TensorView& column_sums, const std::optional<TensorView>& bias);
+                 const TensorView& scales, const std::optional<TensorView>& bias);
 // The kernel int8_linear runs now: "amx_int8", "avx512_vnni" or "<level>_int32".
 std::string_view int8_linear_kernel();
 

@@ -215,10 +215,9 @@ def packed_linear_bf16(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.
 
 class Int8Weight(NamedTuple):
     """A weight [N, K] as int8 channels (cpp/ops/int8_weight_layout.h): packed [ceil(N / 16), round_up(K, 64) / 4,
-    16] int32 (4 int8 per word), scales [N] float32 (W ~ q * scale), column_sums [N] int32 (sum_k q[n, k])."""
+    16] int32, 4 bytes q + 128 per word; scales [N] float32 (W ~ q * scale)."""
     packed: torch.Tensor
     scales: torch.Tensor
-    column_sums: torch.Tensor
 
 
 def quantize_int8_weight(weight: torch.Tensor) -> Int8Weight:
@@ -227,22 +226,20 @@ def quantize_int8_weight(weight: torch.Tensor) -> Int8Weight:
     out_features, in_features = weight.shape
     w = weight.detach().float()
     scales = w.abs().amax(dim=1) / 127.0
-    q = torch.round(w / torch.where(scales > 0, scales, 1.0)[:, None]).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(w / torch.where(scales > 0, scales, 1.0)[:, None]).clamp_(-127, 127).to(torch.int16)
     k_pad, n_pad = (in_features + 63) // 64 * 64, (out_features + 15) // 16 * 16
-    padded = torch.zeros(n_pad, k_pad, dtype=torch.int8)
-    padded[:out_features, :in_features] = q
-    # byte j of packed[t, g, c] = q[16t + c, 4g + j]
+    padded = torch.full((n_pad, k_pad), 128, dtype=torch.uint8)  # q = 0 past N and K
+    padded[:out_features, :in_features] = (q + 128).to(torch.uint8)
+    # byte j of packed[t, g, c] = q[16t + c, 4g + j] + 128
     packed = padded.view(n_pad // 16, 16, k_pad // 4, 4).permute(0, 2, 1, 3).contiguous()
-    return Int8Weight(packed.view(torch.int32).view(n_pad // 16, k_pad // 4, 16), scales.contiguous(),
-                      q.sum(dim=1, dtype=torch.int32))
+    return Int8Weight(packed.view(torch.int32).view(n_pad // 16, k_pad // 4, 16), scales.contiguous())
 
 
 def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: Int8Weight, bias: Optional[torch.Tensor] = None) -> None:
-    """out = x W^T (+ bias) on the CPU with W from quantize_int8_weight, never dequantized: each row of x
-    [M, K] (float32 or bfloat16) is quantized to int8 on the fly, the integer dot products are exact
-    (AVX512-VNNI / AMX-int8; see cpu_kernels()), out [M, N] float32; bias float32."""
-    _cpu_ops.int8_linear(_dl(out), _dl(x), _dl(weight.packed), _dl(weight.scales), _dl(weight.column_sums),
-                         None if bias is None else _dl(bias))
+    """out = x W^T (+ bias) on the CPU with W from quantize_int8_weight, never dequantized: x [M, K] (float32 or
+    bfloat16) is quantized to int8 on the fly with a scale per 64-block of each row, each block's integer dot
+    products are exact (AVX512-VNNI / AMX-int8; see cpu_kernels()), out [M, N] float32; bias float32."""
+    _cpu_ops.int8_linear(_dl(out), _dl(x), _dl(weight.packed), _dl(weight.scales), None if bias is None else _dl(bias))
 
 
 def pack_grouped_weight(weight: torch.Tensor) -> torch.Tensor:

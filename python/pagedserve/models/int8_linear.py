@@ -2,9 +2,9 @@
 checkpoint.
 
 Each output channel n keeps int8 values q[n, :] and one float32 scale (max |W[n, :]| / 127), packed for
-AVX512-VNNI / AMX-int8 (cpp/ops/int8_weight_layout.h): 1 byte per parameter plus 8 bytes per output channel
-(scale and column sum), a quarter of float32 and half of bf16 to stream per decode step. Activations are
-quantized per row to int8 inside the kernel and the integer products are exact; the weight is never
+AVX512-VNNI / AMX-int8 (cpp/ops/int8_weight_layout.h): 1 byte per parameter plus 4 bytes per output channel,
+a quarter of float32 and half of bf16 to stream per decode step. Activations are quantized to int8 inside the
+kernel with a scale per 64-block of each row and each block's integer products are exact; the weight is never
 dequantized as a whole.
 """
 
