@@ -341,8 +341,9 @@ void int8_linear(const TensorView& out, const TensorView& x, const TensorView& p
   const int64_t pairs = (int8_col_tiles(out_features) + 1) / 2;
   for (int64_t row_begin = 0; row_begin < rows; row_begin += kRowChunk) {
     const int64_t row_end = std::min(rows, row_begin + kRowChunk);
-    // Work units (parallel.h): a 64-lane vpdpbusd is about one, so is streaming 4 weights.
-    const int64_t work_per_pair = 2 * ((row_end - row_begin) + kInt8Cols) * k_groups;
+    // Work units (parallel.h): a 64-lane vpdpbusd is about one, and so is streaming one weight (as
+    // packed_linear counts it: a decode step's weights come from DRAM, slower than a cached stream).
+    const int64_t work_per_pair = 2 * ((row_end - row_begin) + 4 * kInt8Cols) * k_groups;
     parallel_for_range(pairs, work_per_pair, [&](int64_t pair_begin, int64_t pair_end) {
       run_pairs(p, pair_begin, pair_end, row_begin, row_end);
     });

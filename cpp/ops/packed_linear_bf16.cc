@@ -318,8 +318,9 @@ void packed_linear_bf16(const TensorView& out, const TensorView& x, const Tensor
   const int64_t pairs = (packed_col_tiles(out_features) + 1) / 2;
   for (int64_t row_begin = 0; row_begin < rows; row_begin += kRowChunk) {
     const int64_t row_end = std::min(rows, row_begin + kRowChunk);
-    // Work units (parallel.h): a 32-lane bf16 dot product is about one, so is streaming one weight pair.
-    const int64_t work_per_pair = 2 * ((row_end - row_begin) + kPackedCols) * k_pairs;
+    // Work units (parallel.h): a 32-lane bf16 dot product is about one, and so is streaming one weight (as
+    // packed_linear counts it: a decode step's weights come from DRAM, slower than a cached stream).
+    const int64_t work_per_pair = 2 * ((row_end - row_begin) + 2 * kPackedCols) * k_pairs;
     parallel_for_range(pairs, work_per_pair, [&](int64_t pair_begin, int64_t pair_end) {
       run_pairs(p, pair_begin, pair_end, row_begin, row_end);
     });
