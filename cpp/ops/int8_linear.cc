@@ -29,6 +29,7 @@
 
 #include "ops/cpu_isa.h"
 #include "ops/float_types.h"
+#include "ops/int8_activations.h"
 #include "ops/int8_weight_layout.h"
 #include "ops/op_contracts.h"
 #include "ops/ops.h"
@@ -41,7 +42,6 @@ constexpr int64_t kRowChunk = 128;  // rows of x kept hot while every weight til
 constexpr int64_t kAmxRows = 16;    // one AMX tile's rows; x's rows are padded to a multiple
 constexpr int kVecRows = 6;         // 2 x 6 int32 + 2 x 6 float accumulators + 2 weight rows + x < 32 zmm
 constexpr int64_t kTileWords = kInt8Cols;
-constexpr int64_t kBlockGroups = kInt8KChunk / 4;  // K groups of 4 per activation block
 
 struct Int8Problem {
   const int8_t* x;          // [round_up(M, 16), K_pad] s8 (0 in the padding)
@@ -54,60 +54,11 @@ struct Int8Problem {
   int64_t rows, out_features, k_groups;
 
   int64_t k_pad() const { return 4 * k_groups; }
-  int64_t blocks() const { return k_groups / kBlockGroups; }
+  int64_t blocks() const { return k_groups / kInt8BlockGroups; }
   const int32_t* tile(int64_t t) const { return packed + t * k_groups * kTileWords; }
   const int8_t* x_row(int64_t row) const { return x + row * k_pad(); }
   int64_t valid_cols(int64_t t) const { return std::min(kInt8Cols, out_features - t * kInt8Cols); }
 };
-
-// ---------------------------------------------------------------------------
-// x into s8 blocks.
-
-// nearbyint (round half to even; roundps from SSE4.1 on): a `(v + 1.5 * 2^23) - 1.5 * 2^23` trick would be
-// contracted into an FMA at the AVX2 levels and round x * inv unrounded.
-template <typename T>
-PS_ALWAYS_INLINE void quantize_block(const T* x, int64_t size, int8_t* dst, float& scale, int32_t& offset) {
-  float amax = 0.0f;
-  for (int64_t k = 0; k < size; ++k) amax = std::max(amax, std::fabs(to_float(x[k])));
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  int32_t sum = 0;
-  for (int64_t k = 0; k < size; ++k) {
-    const auto q = static_cast<int32_t>(std::clamp(std::nearbyint(to_float(x[k]) * inv), -127.0f, 127.0f));
-    dst[k] = static_cast<int8_t>(q);
-    sum += q;
-  }
-  scale = amax / 127.0f;
-  offset = kInt8WeightOffset * sum;
-}
-
-struct QuantizedRows {
-  std::vector<int8_t> q;
-  std::vector<float> scale;
-  std::vector<int32_t> offset;
-};
-
-void quantize_rows(const TensorView& x, int64_t k_groups, QuantizedRows& out) {
-  const int64_t rows = x.size(0), k_size = x.size(1), k_pad = 4 * k_groups, blocks = k_groups / kBlockGroups;
-  const int64_t padded_rows = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
-  out.q.assign(static_cast<size_t>(padded_rows * k_pad), int8_t{0});
-  out.scale.assign(static_cast<size_t>(rows * blocks), 0.0f);
-  out.offset.assign(static_cast<size_t>(rows * blocks), 0);
-  for (int64_t row = 0; row < rows; ++row) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t begin = b * kInt8KChunk, size = std::min(kInt8KChunk, k_size - begin);
-      int8_t* dst = out.q.data() + row * k_pad + begin;
-      float& scale = out.scale[static_cast<size_t>(row * blocks + b)];
-      int32_t& offset = out.offset[static_cast<size_t>(row * blocks + b)];
-      with_cpu_isa([&]() PS_INLINE_BODY {
-        if (x.dtype == DType::kBFloat16) {
-          quantize_block(x.ptr<BFloat16>() + row * k_size + begin, size, dst, scale, offset);
-        } else {
-          quantize_block(x.ptr<float>() + row * k_size + begin, size, dst, scale, offset);
-        }
-      });
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------
 // Integer loops (every level without VNNI).
@@ -120,7 +71,7 @@ PS_ALWAYS_INLINE void tile_int32(const Int8Problem& p, int64_t t, int64_t row_be
     const int8_t* x = p.x_row(row);
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t dot[kInt8Cols] = {};
-      for (int64_t g = b * kBlockGroups; g < (b + 1) * kBlockGroups; ++g) {
+      for (int64_t g = b * kInt8BlockGroups; g < (b + 1) * kInt8BlockGroups; ++g) {
         const uint8_t* wg = w + g * kTileWords * 4;
         for (int64_t c = 0; c < kInt8Cols; ++c) {
           int32_t sum = 0;
@@ -178,7 +129,7 @@ template <int kRows>
     __m512i dot[2][kRows];
 #pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) dot[0][r] = dot[1][r] = _mm512_setzero_si512();
-    for (int64_t g = b * kBlockGroups; g < (b + 1) * kBlockGroups; ++g) {
+    for (int64_t g = b * kInt8BlockGroups; g < (b + 1) * kInt8BlockGroups; ++g) {
       const __m512i a = _mm512_loadu_si512(w0 + g * kTileWords);
       const __m512i c = _mm512_loadu_si512(w1 + g * kTileWords);
 #pragma GCC unroll 16
@@ -247,7 +198,7 @@ struct alignas(64) TileConfig {
 // Registers 0-1 the two column tiles' sums, 4 x, 6-7 the weights.
 [[gnu::target("arch=x86-64-v4,amx-tile,amx-int8")]] void tile_pair_amx(const Int8Problem& p, int64_t row0,
                                                                         int64_t rows, int64_t t, bool pair) {
-  constexpr int64_t kChunkWords = kBlockGroups * kTileWords;  // one weight tile register
+  constexpr int64_t kChunkWords = kInt8BlockGroups * kTileWords;  // one weight tile register
   const int8_t* x = p.x_row(row0);
   const int32_t* w[2] = {p.tile(t), pair ? p.tile(t + 1) : p.tile(t)};
   alignas(64) int32_t dot[2][kAmxRows][kInt8Cols];
@@ -333,9 +284,9 @@ void int8_linear(const TensorView& out, const TensorView& x, const TensorView& p
                  const TensorView& scales, const std::optional<TensorView>& bias) {
   check_int8_linear(out, x, packed_weight, scales, bias);
   const int64_t rows = x.size(0), out_features = out.size(1), k_groups = int8_k_groups(x.size(1));
-  thread_local QuantizedRows xq;  // the caller's; workers only read it during the call
-  quantize_rows(x, k_groups, xq);
-  const Int8Problem p{xq.q.data(), xq.scale.data(), xq.offset.data(), packed_weight.ptr<int32_t>(),
+  thread_local Int8Rows xq;  // the caller's; workers only read it during the call
+  quantize_int8_rows(x, k_groups, xq);
+  const Int8Problem p{xq.values.data(), xq.scale.data(), xq.offset.data(), packed_weight.ptr<int32_t>(),
                       scales.ptr<float>(), bias ? bias->ptr<float>() : nullptr, out.ptr<float>(),
                       rows, out_features, k_groups};
   const int64_t pairs = (int8_col_tiles(out_features) + 1) / 2;
