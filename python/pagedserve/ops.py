@@ -276,5 +276,10 @@ def cpu_isa() -> str:
 def cpu_kernels() -> dict[str, str]:
     """The matrix kernel each CPU precision runs with now, for results to report:
     float32 (packed_linear), bfloat16 (packed_linear_bf16) and int8 (int8_linear)."""
-    return {"float32": _cpu_ops.cpu_isa(), "bfloat16": _cpu_ops.packed_linear_bf16_kernel(),
+    return {"float32": _FLOAT32_KERNELS[_cpu_ops.cpu_isa()], "bfloat16": _cpu_ops.packed_linear_bf16_kernel(),
             "int8": _cpu_ops.int8_linear_kernel()}
+
+
+# packed_linear's kernel at each level (cpp/ops/packed_linear.cc): AMX runs x as three bf16 terms.
+_FLOAT32_KERNELS = {"amx": "amx_bf16x3", "avx512_bf16": "avx512_fma", "avx512": "avx512_fma", "avx2": "avx2_fma",
+                    "baseline": "baseline"}
