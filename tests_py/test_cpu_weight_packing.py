@@ -111,7 +111,8 @@ def test_engine_greedy_text_is_the_same_packed_or_not(tiny_checkpoints):
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = {}
     for mode in ("auto", "float32"):
-        llm = LLM(str(tiny_checkpoints["bf16_valued"]), device="cpu", cpu_weight_dtype=mode, max_model_len=128)
+        llm = LLM(str(tiny_checkpoints["bf16_valued"]), device="cpu", dtype="float32", cpu_weight_dtype=mode,
+                  max_model_len=128)
         assert _packed(llm.llm_engine.worker.model) is (mode == "auto")
         outputs[mode] = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
         llm.shutdown()

@@ -8,6 +8,9 @@ gathered through the block table followed by scaled_dot_product_attention).
     PYTHONPATH=python python bench/perf/cpu_ops_bench.py [--dtypes float32 bfloat16] [--repeats 50] [--threads 1 16]
     python bench/perf/cpu_ops_bench.py --quick        # 3 repeats, one thread: checks the script works
 
+Then the matrix kernels (cpu_linear_kernels.py): GB/s and GFLOP/s per SmolLM2 projection shape, batch size
+(--linear-rows, default 1 16 64; --quick: 1 16) and mode (float32, bfloat16, int8), with every core.
+
 Prints a table and writes bench/results/cpu_ops.json and bench/results/cpu_ops.md.
 """
 
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.report import arg_parser, save  # noqa: E402
 
 from pagedserve import ops  # noqa: E402
+from cpu_linear_kernels import bench_linear, linear_markdown, print_linear  # noqa: E402
 
 # SmolLM2-135M
 HIDDEN = 576
@@ -272,6 +276,8 @@ def main():
     parser.add_argument("--threads", type=int, nargs="+", default=None,
                         help="thread counts to measure, each used by both torch and pagedserve "
                              "(default 1 and every core; --quick: 1)")
+    parser.add_argument("--linear-rows", type=int, nargs="+", default=None,
+                        help="batch sizes M of the matrix kernels (default 1 16 64; --quick: 1 16)")
     parser.add_argument("--note", default="", help="a line added to the markdown (e.g. about the machine's load)")
     args = parser.parse_args()
     args.repeats = args.repeats or (3 if args.quick else 50)
@@ -288,6 +294,10 @@ def main():
                     rows += [dict(threads=threads, **row) for row in bench_step(kind, getattr(torch, dtype_name),
                                                                                  args.repeats, gen)]
     overhead = call_overhead_us(args.repeats)
+    linear_threads = os.cpu_count() or 1
+    ops.set_num_threads(linear_threads)
+    linear_rows = bench_linear(args.linear_rows or ([1, 16] if args.quick else [1, 16, 64]),
+                               repeats=args.repeats, min_seconds=0.05 if args.quick else 0.5)
 
     header = (f"{'threads':>7} {'step':8} {'dtype':9} {'op':38} {'tokens':>6} {'ours us':>10} {'torch us':>10} "
               f"{'speedup':>8}")
@@ -297,11 +307,13 @@ def main():
         print(f"{r['threads']:>7} {r['step']:8} {r['dtype']:9} {r['op']:38} {r['tokens']:>6} {r['pagedserve_us']:>10} "
               f"{r['torch_us']:>10} {r['speedup']:>7}x")
     print(f"\nfixed cost of one op call from Python: {overhead:.2f} us")
+    print_linear(linear_rows)
 
     path = save("cpu_ops" + ("_quick" if args.quick else ""),
                 dict(device="cpu", torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                     call_overhead_us=round(overhead, 2), results=rows),
-                to_markdown(rows, overhead, args.note), args.out)
+                     call_overhead_us=round(overhead, 2), results=rows, cpu_kernels=ops.cpu_kernels(),
+                     linear=linear_rows, linear_threads=linear_threads),
+                to_markdown(rows, overhead, args.note) + linear_markdown(linear_rows, linear_threads), args.out)
     print(f"saved {path}")
 
 

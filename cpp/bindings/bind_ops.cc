@@ -118,6 +118,15 @@ void bind_ops(py::module_& m) {
   def_op<kRelease>(m, "packed_linear", &ops::packed_linear,
                    "out = x W^T (+ bias) in float32, W in packed bf16 tiles; x [M, K], out [M, N].",
                    py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("bias") = py::none());
+  def_op<kRelease>(m, "packed_linear_bf16", &ops::packed_linear_bf16,
+                   "out = bf16(x) W^T (+ bias), bf16 activations (float32 x rounded to nearest-even), float32 "
+                   "sums; x [M, K] float32/bfloat16, out [M, N] float32/bfloat16.",
+                   py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("bias") = py::none());
+  def_op<kRelease>(m, "int8_linear", &ops::int8_linear,
+                   "out = x W^T (+ bias) with int8 channel weights (cpp/ops/int8_weight_layout.h) and x "
+                   "quantized to int8 per 64-block of each row; x [M, K] float32/bfloat16, out [M, N] float32.",
+                   py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("scales"),
+                   py::arg("bias") = py::none());
 
   def_op<kRelease>(m, "pack_grouped_weight", &ops::pack_grouped_weight,
                    "Packs weight [E, N, K] into bf16 [E, ceil(N / 16), ceil(K / 32) * 16, 32] tiles, one "
@@ -141,7 +150,13 @@ void bind_ops(py::module_& m) {
 
   m.def(
       "cpu_isa", [] { return std::string(ops::cpu_isa_name(ops::cpu_isa())); },
-      "The instruction set the kernels run with: 'baseline' (SSE2), 'avx2', 'avx512' or 'amx'.");
+      "The instruction set the kernels run with: 'baseline' (SSE2), 'avx2', 'avx512', 'avx512_bf16' or 'amx'.");
+  m.def(
+      "packed_linear_bf16_kernel", [] { return std::string(ops::packed_linear_bf16_kernel()); },
+      "The kernel packed_linear_bf16 runs now: 'amx_bf16', 'avx512_bf16' or '<level>_widened'.");
+  m.def(
+      "int8_linear_kernel", [] { return std::string(ops::int8_linear_kernel()); },
+      "The kernel int8_linear runs now: 'amx_int8', 'avx512_vnni' or '<level>_int32'.");
   m.def(
       "supported_cpu_isas",
       [] {
@@ -153,11 +168,12 @@ void bind_ops(py::module_& m) {
   m.def(
       "set_cpu_isa",
       [](const std::string& name) {
-        for (ops::CpuIsa isa : {ops::CpuIsa::kBaseline, ops::CpuIsa::kAvx2, ops::CpuIsa::kAvx512, ops::CpuIsa::kAmx}) {
+        for (ops::CpuIsa isa : {ops::CpuIsa::kBaseline, ops::CpuIsa::kAvx2, ops::CpuIsa::kAvx512,
+                                ops::CpuIsa::kAvx512Bf16, ops::CpuIsa::kAmx}) {
           if (ops::cpu_isa_name(isa) == name) return ops::set_cpu_isa(isa);
         }
         throw py::value_error("set_cpu_isa: unknown instruction set '" + name +
-                              "'; expected baseline, avx2, avx512 or amx");
+                              "'; expected baseline, avx2, avx512, avx512_bf16 or amx");
       },
       py::arg("name"), "For tests and benchmarks: run the kernels with a lower instruction set.");
 }

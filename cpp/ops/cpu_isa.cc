@@ -33,10 +33,30 @@ bool amx_usable() {
 #endif
 }
 
+// CPUID.(EAX=7, ECX=sub_leaf) register bit; false where the leaf is absent.
+bool cpuid7_bit(unsigned sub_leaf, int reg, int bit) {
+#if PS_X86_MULTIVERSION
+  unsigned regs[4] = {};
+  if (__get_cpuid_count(7, sub_leaf, &regs[0], &regs[1], &regs[2], &regs[3]) == 0) return false;
+  return (regs[reg] >> bit) & 1u;
+#else
+  (void)sub_leaf, (void)reg, (void)bit;
+  return false;
+#endif
+}
+
+constexpr int kEax = 0, kEcx = 2, kEdx = 3;
+
+// AVX512_BF16: CPUID.(EAX=7, ECX=1):EAX bit 5.
+bool has_avx512_bf16() { return cpuid7_bit(1, kEax, 5); }
+
 CpuIsa detect_cpu_isa() {
 #if PS_X86_MULTIVERSION
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("x86-64-v4")) return amx_usable() ? CpuIsa::kAmx : CpuIsa::kAvx512;
+  if (__builtin_cpu_supports("x86-64-v4")) {
+    if (!has_avx512_bf16()) return CpuIsa::kAvx512;
+    return amx_usable() ? CpuIsa::kAmx : CpuIsa::kAvx512Bf16;
+  }
   if (__builtin_cpu_supports("x86-64-v3")) return CpuIsa::kAvx2;
 #endif
   return CpuIsa::kBaseline;
@@ -55,6 +75,7 @@ std::string_view cpu_isa_name(CpuIsa isa) {
     case CpuIsa::kBaseline: return "baseline";
     case CpuIsa::kAvx2: return "avx2";
     case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx512Bf16: return "avx512_bf16";
     case CpuIsa::kAmx: return "amx";
   }
   return "unknown";
@@ -67,7 +88,7 @@ CpuIsa best_supported_cpu_isa() {
 
 std::vector<CpuIsa> supported_cpu_isas() {
   std::vector<CpuIsa> isas;
-  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAmx}) {
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16, CpuIsa::kAmx}) {
     if (isa <= best_supported_cpu_isa()) isas.push_back(isa);
   }
   return isas;
@@ -81,6 +102,16 @@ void set_cpu_isa(CpuIsa isa) {
                                 " (best: " + std::string(cpu_isa_name(best_supported_cpu_isa())) + ")");
   }
   active_isa().store(isa, std::memory_order_relaxed);
+}
+
+bool cpu_has_avx512_vnni() {
+  static const bool has = cpuid7_bit(0, kEcx, 11);
+  return has && cpu_isa() >= CpuIsa::kAvx512;
+}
+
+bool cpu_has_amx_int8() {
+  static const bool has = cpuid7_bit(0, kEdx, 25);
+  return has && cpu_isa() == CpuIsa::kAmx;
 }
 
 }  // namespace pagedserve::ops

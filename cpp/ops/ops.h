@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string_view>
 
 #include "attention_options.h"
 #include "tensor_view.h"
@@ -86,6 +87,29 @@ void pack_linear_weight(const TensorView& packed, const TensorView& weight);
 // x: [M, K] float32; out: [M, N] float32; bias: [N] float32.
 void packed_linear(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
                    const std::optional<TensorView>& bias);
+
+// out = bf16(x) W^T (+ bias) with bf16 activations (packed_linear_bf16.cc):
+// x float32 (rounded to bf16, nearest-even) or bfloat16; every product of
+// two bf16 values is exact, the sums are float32, out is float32 or bfloat16
+// (rounded once). Twice the multiply-adds per instruction of packed_linear
+// on AVX512_BF16 (vdpbf16ps) and a third of its AMX tile products.
+// x: [M, K]; out: [M, N]; packed_weight from pack_linear_weight; bias: [N] float32.
+void packed_linear_bf16(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
+                        const std::optional<TensorView>& bias);
+// The kernel packed_linear_bf16 runs at the current cpu_isa(): "amx_bf16",
+// "avx512_bf16", or "<level>_widened" (weights widened to float32 FMAs).
+std::string_view packed_linear_bf16_kernel();
+
+// out = x W^T (+ bias) with W as int8 channels (int8_weight_layout.h:
+// packed [ceil(N / 16), round_up(K, 64) / 4, 16] int32 of 4 bytes q + 128
+// each, scales [N] float32) and x quantized on the fly to int8 with a scale
+// per 64-block of each row (int8_linear.cc); each block's integer dot
+// products are exact, the result float32. x: [M, K] float32 or bfloat16;
+// out: [M, N] float32; bias: [N] float32.
+void int8_linear(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
+                 const TensorView& scales, const std::optional<TensorView>& bias);
+// The kernel int8_linear runs now: "amx_int8", "avx512_vnni" or "<level>_int32".
+std::string_view int8_linear_kernel();
 
 // Mixture-of-experts expert products, rows grouped by expert
 // (grouped_linear.h has the layout): for each expert e, rows

@@ -59,7 +59,8 @@ class EngineConfig:
                                           "float32: never)", choices=("auto", "bfloat16", "float32"))
     cpu_precision: str = _knob("auto", "CPU, float32 models: float32: float32 arithmetic throughout (exact); "
                                        "bfloat16: bf16 activations into the matrix products (AVX512_BF16 / AMX) "
-                                       "and a bf16 KV cache; auto: float32",
+                                       "and a bf16 KV cache; auto: bfloat16 for a bf16 checkpoint run with dtype "
+                                       "auto on a CPU with AVX512_BF16 or AMX, else float32",
                                choices=("auto", "float32", "bfloat16"))
     max_logprobs: int = _knob(20, "most logprobs a request may ask for per token")
     quantization: str = _knob("none", "weights kept quantized in memory: int8 (per output channel, made from any "
@@ -91,17 +92,48 @@ def option_help(f: Field) -> str:
     return text
 
 
-def resolve_defaults(config: EngineConfig, device_type: str, max_position_embeddings: int) -> EngineConfig:
+# CPU kernels whose bf16 dot products make cpu_precision "bfloat16" pay (ops.cpu_kernels()["bfloat16"]).
+BF16_DOT_KERNELS = ("avx512_bf16", "amx_bf16")
+
+
+def resolve_cpu_precision(config: EngineConfig, device_type: str, checkpoint_is_bf16: bool) -> str:
+    """cpu_precision as "float32" or "bfloat16". auto is bfloat16 only where nothing asked for float32 (dtype
+    and cpu_weight_dtype auto), the weights are bf16 already (a bf16 checkpoint, so only activations round)
+    and the CPU has a bf16 dot product; there greedy text agrees with transformers float32 at least as often as
+    transformers' own bf16 does (bench/numerics/cpu_precision_agreement.py, bench/results/cpu_precision.md)."""
+    if device_type != "cpu":
+        return "float32"  # a CUDA model computes in its own dtype
+    if config.cpu_precision == "bfloat16" and (config.dtype not in ("auto", "float32")
+                                               or config.cpu_weight_dtype == "float32"):
+        raise ValueError(f"cpu_precision 'bfloat16' rounds a float32 model's activations into bf16 weight "
+                         f"tiles; it needs dtype auto or float32 (got {config.dtype!r}) and cpu_weight_dtype auto "
+                         f"or bfloat16 (got {config.cpu_weight_dtype!r})")
+    if config.cpu_precision != "auto":
+        return config.cpu_precision
+    if config.dtype != "auto" or config.cpu_weight_dtype != "auto" or not checkpoint_is_bf16:
+        return "float32"
+    from pagedserve import ops  # the C++ extension, only where a CPU decision needs it
+
+    return "bfloat16" if ops.cpu_kernels()["bfloat16"] in BF16_DOT_KERNELS else "float32"
+
+
+def resolve_defaults(config: EngineConfig, device_type: str, max_position_embeddings: int,
+                     checkpoint_is_bf16: bool = False) -> EngineConfig:
     """The config with every device-dependent default decided (the one place that decides them):
-    max_num_seqs, the token budget, max_model_len (before the KV plan may lower it) and the CPU KV budget."""
+    max_num_seqs, the token budget, max_model_len (before the KV plan may lower it), the CPU KV budget and
+    cpu_precision ("float32" or "bfloat16" from here on)."""
     cuda = device_type == "cuda"
+    if config.quantization != "none" and cuda:
+        raise ValueError(f"quantization {config.quantization!r} runs on the CPU only; use --device cpu or "
+                         "--quantization none")
     max_num_seqs = config.max_num_seqs or (CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS)
     budget = config.max_num_batched_tokens or max(CUDA_TOKEN_BUDGET if cuda else CPU_TOKEN_BUDGET, max_num_seqs)
     kv_gb = config.kv_cache_memory_gb
     if kv_gb is None and not cuda:
         kv_gb = CPU_KV_CACHE_GB
     return replace(config, device=device_type, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                   max_model_len=config.max_model_len or max_position_embeddings, kv_cache_memory_gb=kv_gb)
+                   max_model_len=config.max_model_len or max_position_embeddings, kv_cache_memory_gb=kv_gb,
+                   cpu_precision=resolve_cpu_precision(config, device_type, checkpoint_is_bf16))
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ stride or device).
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 from torch.utils.dlpack import to_dlpack as _dl
@@ -37,6 +37,11 @@ __all__ = [
     "sample_tokens",
     "pack_linear_weight",
     "packed_linear",
+    "packed_linear_bf16",
+    "cpu_kernels",
+    "Int8Weight",
+    "quantize_int8_weight",
+    "int8_linear",
     "pack_grouped_weight",
     "packed_grouped_linear",
     "gguf_linear",
@@ -202,6 +207,43 @@ def packed_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tenso
     _cpu_ops.packed_linear(_dl(out), _dl(x), _dl(packed_weight), None if bias is None else _dl(bias))
 
 
+def packed_linear_bf16(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tensor,
+                       bias: Optional[torch.Tensor] = None) -> None:
+    """out = bf16(x) W^T (+ bias) on the CPU with bf16 activations (AVX512_BF16 / AMX; see cpu_kernels()):
+    x [M, K] float32 (rounded to bf16, nearest-even) or bfloat16; products exact, float32 sums;
+    out [M, N] float32 or bfloat16; W from pack_linear_weight; bias float32."""
+    _cpu_ops.packed_linear_bf16(_dl(out), _dl(x), _dl(packed_weight), None if bias is None else _dl(bias))
+
+
+class Int8Weight(NamedTuple):
+    """A weight [N, K] as int8 channels (cpp/ops/int8_weight_layout.h): packed [ceil(N / 16), round_up(K, 64) / 4,
+    16] int32, 4 bytes q + 128 per word; scales [N] float32 (W ~ q * scale)."""
+    packed: torch.Tensor
+    scales: torch.Tensor
+
+
+def quantize_int8_weight(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-output-channel int8 of a float weight [N, K]: scale[n] = max_k |W[n, k]| / 127,
+    q = round_half_even(W / scale) in [-127, 127] (a zero row keeps scale 0), packed for int8_linear."""
+    out_features, in_features = weight.shape
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1) / 127.0
+    q = torch.round(w / torch.where(scales > 0, scales, 1.0)[:, None]).clamp_(-127, 127).to(torch.int16)
+    k_pad, n_pad = (in_features + 63) // 64 * 64, (out_features + 15) // 16 * 16
+    padded = torch.full((n_pad, k_pad), 128, dtype=torch.uint8)  # q = 0 past N and K
+    padded[:out_features, :in_features] = (q + 128).to(torch.uint8)
+    # byte j of packed[t, g, c] = q[16t + c, 4g + j] + 128
+    packed = padded.view(n_pad // 16, 16, k_pad // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return Int8Weight(packed.view(torch.int32).view(n_pad // 16, k_pad // 4, 16), scales.contiguous())
+
+
+def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: Int8Weight, bias: Optional[torch.Tensor] = None) -> None:
+    """out = x W^T (+ bias) on the CPU with W from quantize_int8_weight, never dequantized: x [M, K] (float32 or
+    bfloat16) is quantized to int8 on the fly with a scale per 64-block of each row, each block's integer dot
+    products are exact (AVX512-VNNI / AMX-int8; see cpu_kernels()), out [M, N] float32; bias float32."""
+    _cpu_ops.int8_linear(_dl(out), _dl(x), _dl(weight.packed), _dl(weight.scales), None if bias is None else _dl(bias))
+
+
 def pack_grouped_weight(weight: torch.Tensor) -> torch.Tensor:
     """CPU expert weights [E, N, K] in packed_linear's bf16 tiles, one expert after another:
     [E, ceil(N / 16), round_up(K, 32) / 2, 32] bfloat16 (values rounded to bf16)."""
@@ -242,5 +284,18 @@ def num_threads() -> int:
 
 
 def cpu_isa() -> str:
-    """The instruction set the CPU kernels run with: 'baseline' (SSE2), 'avx2', 'avx512' or 'amx' (AVX-512 plus AMX tiles for packed_linear)."""
+    """The instruction set the CPU kernels run with: 'baseline' (SSE2), 'avx2', 'avx512', 'avx512_bf16' (plus
+    vdpbf16ps) or 'amx' (AVX-512 plus AMX tiles for the matrix kernels)."""
     return _cpu_ops.cpu_isa()
+
+
+def cpu_kernels() -> dict[str, str]:
+    """The matrix kernel each CPU precision runs with now, for results to report:
+    float32 (packed_linear), bfloat16 (packed_linear_bf16) and int8 (int8_linear)."""
+    return {"float32": _FLOAT32_KERNELS[_cpu_ops.cpu_isa()], "bfloat16": _cpu_ops.packed_linear_bf16_kernel(),
+            "int8": _cpu_ops.int8_linear_kernel()}
+
+
+# packed_linear's kernel at each level (cpp/ops/packed_linear.cc): AMX runs x as three bf16 terms.
+_FLOAT32_KERNELS = {"amx": "amx_bf16x3", "avx512_bf16": "avx512_fma", "avx512": "avx512_fma", "avx2": "avx2_fma",
+                    "baseline": "baseline"}

@@ -23,6 +23,7 @@ import time
 from typing import Iterable, Optional, Union
 
 import numpy as np
+import torch
 
 from pagedserve import _core
 from pagedserve.engine.grammar import Grammars
@@ -59,7 +60,8 @@ class LLMEngine:
         device = check_device_usable(resolve_device(config.device))
         model_dir = model_path(config.model)
         self.model_config = ModelConfig.from_model_dir(model_dir, dtype=config.dtype, device=device)
-        self.config = resolve_defaults(config, device.type, self.model_config.max_position_embeddings)
+        self.config = resolve_defaults(config, device.type, self.model_config.max_position_embeddings,
+                                       checkpoint_is_bf16=self.model_config.checkpoint_dtype == torch.bfloat16)
         has_tokenizer = any((model_dir / f).exists() for f in _TOKENIZER_FILES)
         self.tokenizer = load_tokenizer(model_dir) if has_tokenizer else None
         configured_eos = self.model_config.eos_token_ids

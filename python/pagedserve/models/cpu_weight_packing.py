@@ -12,6 +12,14 @@ Modes (``EngineConfig.cpu_weight_dtype``):
              (and the LM head) is exactly representable in bf16 (lossless);
   "bfloat16" pack float32 weights whatever they are (rounds to bf16);
   "float32"  never pack (torch's float32 GEMM).
+
+Precision (``EngineConfig.cpu_precision``, resolved to "float32" or
+"bfloat16" by engine_config.resolve_cpu_precision): "bfloat16" packs every
+linear and the LM head (rounding weights that are not bf16) into kernels
+that also round the activations to bf16 (PackedBf16Activations: AVX512_BF16
+/ AMX dot products). Quantization "int8" (``EngineConfig.quantization``)
+keeps every linear and the LM head as int8 channels instead (Int8Linear).
+The MoE expert stacks keep their float32-exact packing in every mode.
 """
 
 from __future__ import annotations
@@ -22,10 +30,13 @@ import torch
 from torch import nn
 
 from pagedserve.models.layers import Linear
+from pagedserve.models.linear_kernels import PackedBf16, PackedBf16Activations
 
 logger = logging.getLogger("pagedserve")
 
 CPU_WEIGHT_DTYPES = ("auto", "bfloat16", "float32")
+CPU_PRECISIONS = ("float32", "bfloat16")
+QUANTIZATIONS = ("none", "int8")
 
 
 def is_bf16_exact(weight: torch.Tensor) -> bool:
@@ -56,30 +67,50 @@ def _packable(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, linear.weight) for name, linear in _layer_linears(model)] + grouped + _lm_head(model)
 
 
-def pack_cpu_weights(model: nn.Module, mode: str = "auto") -> bool:
-    """Packs ``model``'s linear weights and LM head per ``mode``; returns whether it did."""
+def pack_cpu_weights(model: nn.Module, mode: str = "auto", precision: str = "float32",
+                     quantization: str = "none") -> bool:
+    """Puts ``model``'s linear weights and LM head into CPU kernels per ``mode``, ``precision`` and
+    ``quantization`` (see the module docstring); returns whether it did."""
     if mode not in CPU_WEIGHT_DTYPES:
         raise ValueError(f"cpu_weight_dtype {mode!r} is not supported; use one of {', '.join(CPU_WEIGHT_DTYPES)}")
+    if precision not in CPU_PRECISIONS:
+        raise ValueError(f"cpu_precision {precision!r} is not resolved; use one of {', '.join(CPU_PRECISIONS)}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
     config = model.config
-    if mode == "float32" or config.dtype != torch.float32 or next(model.parameters()).device.type != "cpu":
-        return False
-    matrices = _packable(model)
-    if not matrices:  # every matrix already runs a CPU kernel (a GGUF model's blocks)
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if quantization != "none" and (config.dtype != torch.float32 or not on_cpu):
+        raise ValueError(f"quantization {quantization!r} needs a float32 model on the CPU (dtype auto or float32, "
+                         f"device cpu); got {config.dtype} on {next(model.parameters()).device}")
+    if on_cpu and not _packable(model):  # every matrix already runs a CPU kernel (a GGUF model's blocks)
         return True
+    if quantization == "int8":
+        from pagedserve.models.int8_linear import Int8Linear
+
+        return _use_kernels(model, Int8Linear, "int8 channels")
+    if mode == "float32" or config.dtype != torch.float32 or not on_cpu:
+        return False
+    if precision == "bfloat16":
+        return _use_kernels(model, PackedBf16Activations, "bf16 tiles with bf16 activations")
     if mode == "auto":
-        inexact = next((name for name, weight in matrices if not is_bf16_exact(weight)), None)
+        inexact = next((name for name, weight in _packable(model) if not is_bf16_exact(weight)), None)
         if inexact is not None:
             logger.info("CPU weights stay float32: %s is not exactly bf16", inexact)
             return False
+    return _use_kernels(model, PackedBf16, "bf16 tiles, lossless" if mode == "auto" else "bf16 tiles, rounded")
+
+
+def _use_kernels(model: nn.Module, kernel_class, what: str) -> bool:
+    """Every decoder linear and the LM head into kernel_class(weight); the expert stacks into their bf16 tiles."""
+    count = len(_packable(model))
     for _, linear in _layer_linears(model):
-        linear.pack()
+        linear.use_kernel(kernel_class(linear.weight))
     for _, module in _grouped_weight_modules(model):
         module.pack()
     if model.lm_head_kernel is None:
-        model.pack_lm_head()
-    logger.info("packed %d CPU weight matrices as bf16 tiles (%s)", len(matrices),
-                "lossless" if mode == "auto" else "rounded")
+        model.use_lm_head_kernel(kernel_class(model.lm_head_weight()))
+    logger.info("CPU weights: %d matrices as %s", count, what)
     return True
 
 
-__all__ = ["CPU_WEIGHT_DTYPES", "is_bf16_exact", "pack_cpu_weights"]
+__all__ = ["CPU_PRECISIONS", "CPU_WEIGHT_DTYPES", "QUANTIZATIONS", "is_bf16_exact", "pack_cpu_weights"]

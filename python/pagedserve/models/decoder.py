@@ -269,15 +269,17 @@ class DecoderForCausalLM(nn.Module):
         return None if self.lm_head is None else self.lm_head.bias
 
     def pack_lm_head(self) -> None:
-        """Computes logits from bf16 tiles. A tied embedding table then serves lookups only, so it is kept
-        as bf16 where that is exact (a bf16 checkpoint): the tiles are a copy of their own."""
+        """Computes logits from bf16 tiles."""
         self.use_lm_head_kernel(PackedBf16(self.lm_head_weight()))
-        self.model.embed_tokens.keep_bf16_if_exact()
 
     def use_lm_head_kernel(self, kernel: LinearKernel) -> None:
+        """Computes logits through the kernel, which holds its own copy of the weight. A tied embedding table
+        then serves lookups only, so it is kept as bf16 where that is exact (a bf16 checkpoint)."""
         self.lm_head_kernel = kernel
         if self.lm_head is not None:
             self.lm_head.weight = None
+        if self.model.embed_tokens.weight is not None:
+            self.model.embed_tokens.keep_bf16_if_exact()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,

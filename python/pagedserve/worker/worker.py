@@ -49,7 +49,8 @@ class Worker:
         self.num_kv_heads = HeadLayout.of(mc.num_heads, mc.num_kv_heads, parallel).num_kv_heads  # this rank's
         baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.model = build_model(mc, device, load_format=config.load_format, seed=config.seed, parallel=parallel)
-        packed = device.type == "cpu" and pack_cpu_weights(self.model, config.cpu_weight_dtype)
+        packed = device.type == "cpu" and pack_cpu_weights(self.model, config.cpu_weight_dtype,
+                                                           config.cpu_precision, config.quantization)
         if packed and config.cpu_fused_layers:
             fuse_decoder_layers(self.model)
         self.sampler = Sampler(device, mc.vocab_size, eos_token_ids, seed=config.seed)
