@@ -115,9 +115,9 @@ def assert_bit_identical(model, prompts, num_blocks: int = 96) -> None:
     assert torch.equal(*caches), "the KV caches differ"
 
 
-def packed_model(path):
+def packed_model(path, precision: str = "float32"):
     model = build_model(ModelConfig.from_model_dir(path, dtype="float32", device="cpu"), "cpu")
-    assert pack_cpu_weights(model, "auto")
+    assert pack_cpu_weights(model, "auto", precision)
     return model
 
 
@@ -159,6 +159,13 @@ def default_model(default_model_path):
 
 def test_default_model_bit_identical(default_model):
     assert_bit_identical(default_model, prompts_for(default_model.config.vocab_size), num_blocks=64)
+
+
+def test_default_model_bf16_activations_bit_identical(default_model_path):
+    """cpu_precision "bfloat16" (the CPU default where a bf16 dot product exists): the stack runs
+    packed_linear_bf16 as PackedBf16Activations does."""
+    model = packed_model(default_model_path, "bfloat16")
+    assert_bit_identical(model, prompts_for(model.config.vocab_size), num_blocks=64)
 
 
 def test_engine_fused_and_per_op_give_identical_outputs(default_model_path):

@@ -99,7 +99,9 @@ class PyDecoderStack {
 
 void bind_decoder_stack(py::module_& m) {
   py::enum_<ops::LinearFormat>(m, "LinearFormat", "How a DecoderStack layer's linear weights are multiplied.")
-      .value("packed_bf16", ops::LinearFormat::kPackedBf16, "packed_linear: bf16 tiles, float32 activations");
+      .value("packed_bf16", ops::LinearFormat::kPackedBf16, "packed_linear: bf16 tiles, float32 activations")
+      .value("packed_bf16_activations", ops::LinearFormat::kPackedBf16Activations,
+             "packed_linear_bf16: bf16 tiles, bf16-rounded activations");
 
   py::class_<ops::DecoderShape>(m, "DecoderShape",
                                 "The sizes of a DecoderStack's layers: hidden, heads, kv heads, head dim, MLP.")

@@ -65,6 +65,9 @@ void linear(const TensorView& out, const TensorView& x, const LinearWeights& w) 
     case LinearFormat::kPackedBf16:
       packed_linear(out, x, w.packed, w.bias);
       return;
+    case LinearFormat::kPackedBf16Activations:
+      packed_linear_bf16(out, x, w.packed, w.bias);
+      return;
   }
   fail_argument(kOp, "unknown linear format " + std::to_string(static_cast<int>(w.format)));
 }

@@ -39,6 +39,7 @@ namespace pagedserve::ops {
 // runs (python/pagedserve/models/linear_kernels.py); `linear` in decoder_layer.cc dispatches on it.
 enum class LinearFormat : uint8_t {
   kPackedBf16,  // packed_linear: bf16 tiles, float32 activations (PackedBf16)
+  kPackedBf16Activations,  // packed_linear_bf16: the same tiles, bf16-rounded activations (PackedBf16Activations)
 };
 
 // One Linear: y = x W^T (+ bias), W [out_features, in_features] in `format`.

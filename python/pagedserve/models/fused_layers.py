@@ -25,13 +25,14 @@ from pagedserve import _core
 from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.models.decoder import MLP, Attention, DecoderLayer, DecoderModel
 from pagedserve.models.layers import Embedding, Linear, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul
-from pagedserve.models.linear_kernels import PackedBf16
+from pagedserve.models.linear_kernels import PackedBf16, PackedBf16Activations
 
 logger = logging.getLogger("pagedserve")
 
 # LinearKernel class -> how the stack multiplies by its weight (exact classes: a subclass may compute
 # differently, and then the layer keeps the per-op path).
-_LINEAR_FORMATS = {PackedBf16: _core.ops.LinearFormat.packed_bf16}
+_LINEAR_FORMATS = {PackedBf16: _core.ops.LinearFormat.packed_bf16,
+                   PackedBf16Activations: _core.ops.LinearFormat.packed_bf16_activations}
 
 
 class FusedDecoderStack:
