@@ -8,6 +8,7 @@
 #   bash scripts/gpu_check.sh build optests        some stages
 #
 # Stages: env build optests sanitizer kernels engine families structured e2e_dummy e2e_real long timing demos serve
+# (cpu_host on request: the CPU kernels and CPU serving bench on the host's CPU, pinned to 2 cores)
 # (and, on request, agreement and numerics: bench/numerics/bf16_agreement.py and bench/numerics/*_numerics.py,
 # the bf16-vs-transformers diagnosis).
 # Optional inputs: .whl/*.whl (Python packages the machine lacks, installed to
@@ -90,6 +91,13 @@ for stage in "${STAGES[@]}"; do
       run_stage demos python3 bench/demos/demos.py all --device cuda --out "$RUN" ;;
     serve)
       run_stage serve bash scripts/gpu_serve_bench.sh "$RUN" ;;
+    cpu_host)  # the CPU paths on the host CPU (Intel, AMX): kernel tests at every ISA level, then CPU serving on 2 cores
+      run_stage cpu_kernel_tests python3 -m pytest tests_py/test_cpu_precision.py tests_py/test_int8_linear.py \
+        tests_py/test_ops_gguf.py tests_py/test_ops_attention_bf16_kv.py tests_py/test_cpu_weight_packing.py \
+        tests_py/test_batch_invariance.py -q -p no:cacheprovider
+      gguf=$(python3 -m pagedserve.models.default_model --gguf 2>/dev/null | tail -n 1)
+      run_stage cpu_serving taskset -c 0,1 python3 bench/perf/cpu_serving_bench.py --rounds "${CPU_ROUNDS:-1}" \
+        ${gguf:+--gguf "$gguf"} --out "$RUN" ;;
     *)
       note "unknown stage $stage" ;;
   esac

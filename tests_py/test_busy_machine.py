@@ -70,3 +70,16 @@ def test_a_competing_process_slows_a_step_at_most_2x(default_model_path):
     print(f"decode step on {len(cores)} cores: {statistics.median(quiet) * 1e3:.1f} ms quiet, "
           f"{statistics.median(busy) * 1e3:.1f} ms with a burner pinned to them ({ratio:.2f}x)")
     assert ratio < 2.0, f"a competing process made a step {ratio:.2f}x slower (quiet {quiet}, busy {busy})"
+
+
+def test_the_pool_sizes_itself_to_the_cores_it_may_use():
+    """ops' pool takes the affinity mask (taskset, a cpuset, a rank's share), not the machine's core count."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from pagedserve import ops; print(ops.num_threads())")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "1", out.stderr

@@ -9,14 +9,29 @@
 #include <string>
 #include <thread>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #include "ops/ops.h"
 
 namespace pagedserve::ops {
 namespace {
 
+// The cores this process may run on: its affinity mask (taskset, a container's cpuset, a
+// tensor-parallel rank's share), not the machine's count: 16 threads pinned to 2 cores would
+// take turns on them and every step would wait for the slowest.
+int usable_cores() {
+#if defined(__linux__)
+  cpu_set_t mask;
+  if (sched_getaffinity(0, sizeof(mask), &mask) == 0) return std::max(1, CPU_COUNT(&mask));
+#endif
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
 struct PoolSlot {
   std::mutex mutex;
-  int num_threads = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  int num_threads = usable_cores();
   std::shared_ptr<ThreadPool> pool;  // built on first parallel use
 };
 
