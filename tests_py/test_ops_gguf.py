@@ -6,7 +6,7 @@ Q4_1); for the K-quants, which it only decodes, from random bytes with finite,
 small float16 scales. The float32 kernels' bound is float32 rounding of a K-term
 sum: |y - y64| <= 2e-6 * K^0.5 * (|x| @ |W|^T) + 1e-6.
 
-On AVX512_VNNI CPUs at the AVX-512 level, Q4_0 / Q4_1 / Q8_0 take the int8-activation
+On AVX512_VNNI CPUs at the AVX-512 level, every format takes the int8-activation
 path (cpp/ops/gguf_int8.h): x is rounded to int8 per 32-element block first. Those
 results are checked twice: tightly (1e-5 of the summed magnitudes) against a float64
 oracle of the same arithmetic (x_q, d_x from int8_activations() below, the blocks' integer
@@ -128,6 +128,16 @@ def block_codes(blocks: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, n
     if qtype == T.Q4_0:
         return codes - 8, dw, np.zeros_like(d)
     return codes, dw, _half(b, 2)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_block_codes_oracle_equals_package_dequantization(qtype):
+    """The int8 oracle's own decoding (codes, scales, offsets per 32-weight block) against the `gguf` package."""
+    rng = np.random.default_rng(23)
+    k = 512 if qtype in K_QUANTS else 96
+    blocks = make_blocks(qtype, 6, k, rng)
+    codes, dw, mw = block_codes(blocks, qtype)
+    np.testing.assert_array_equal((codes * dw + mw[..., None]).reshape(6, k), dequantized(blocks, qtype))
 
 
 def assert_matches_int8_arithmetic(y: torch.Tensor, x: np.ndarray, blocks: np.ndarray, qtype: T,

@@ -128,19 +128,25 @@ struct SuperBlock {
   float min[8];
 };
 
+PS_VNNI_INLINE __m256 widen(uint64_t bytes) {  // 8 unsigned bytes -> 8 floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(bytes))));
+}
+
 template <BlockType kType>
 PS_VNNI_INLINE SuperBlock load_super(const uint8_t* row, int64_t s) {
   SuperBlock sb;
   if constexpr (kType == BlockType::kQ4_K || kType == BlockType::kQ5_K) {
     sb.p = row + (kType == BlockType::kQ4_K ? 144 : 176) * s;
-    const float d = half_value(sb.p);
-    const float dmin = half_value(sb.p + 2);
-    for (int j = 0; j < 8; ++j) {
-      int sc, mn;
-      k_scale_min(sb.p + 4, j, sc, mn);
-      sb.scale[j] = d * static_cast<float>(sc);
-      sb.min[j] = -(dmin * static_cast<float>(mn));
-    }
+    // k_scale_min() for all 8 sub-blocks at once, 4 bytes to a word: words u0, u1, u2 of the 12
+    // bytes give scales 0-3 = u0 & 63, mins 0-3 = u1 & 63, and for 4-7 the nibbles of u2 (low:
+    // scales, high: mins) under u0's and u1's top 2 bits.
+    uint32_t u[3];
+    __builtin_memcpy(u, sb.p + 4, 12);
+    constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+    const uint64_t scales = (u[0] & kLow6) | uint64_t((u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4)) << 32;
+    const uint64_t mins = (u[1] & kLow6) | uint64_t(((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4)) << 32;
+    _mm256_storeu_ps(sb.scale, _mm256_mul_ps(_mm256_set1_ps(half_value(sb.p)), widen(scales)));
+    _mm256_storeu_ps(sb.min, _mm256_mul_ps(_mm256_set1_ps(-half_value(sb.p + 2)), widen(mins)));
   } else if constexpr (kType == BlockType::kQ6_K) {
     sb.p = row + 210 * s;
     const __m512 d = _mm512_set1_ps(half_value(sb.p + 208));
