@@ -6,7 +6,7 @@
     dequantizes it and undoes the permutation itself). Both compute in float32 on the
     same dequantized weights, so logits agree to ~1e-6 relative; asserted < 1e-4, and
     greedy tokens identical. On AVX512_VNNI CPUs gguf_linear rounds activations to int8
-    for Q4_0 / Q4_1 / Q8_0 (cpp/ops/gguf_int8.h, as llama.cpp does), which moves logits by
+    (every block format: cpp/ops/gguf_int8.h, as llama.cpp does), which moves logits by
     ~7e-3 relative on these tiny models: so the logits are checked twice, at the float32
     kernels' ISA level (< 1e-4, greedy identical: the layout check) and at the best level
     (< 2e-2: the int8 path end to end).

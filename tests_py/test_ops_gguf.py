@@ -6,7 +6,7 @@ Q4_1); for the K-quants, which it only decodes, from random bytes with finite,
 small float16 scales. The float32 kernels' bound is float32 rounding of a K-term
 sum: |y - y64| <= 2e-6 * K^0.5 * (|x| @ |W|^T) + 1e-6.
 
-On AVX512_VNNI CPUs at the AVX-512 level, Q4_0 / Q4_1 / Q8_0 take the int8-activation
+On AVX512_VNNI CPUs at the AVX-512 level, every format takes the int8-activation
 path (cpp/ops/gguf_int8.h): x is rounded to int8 per 32-element block first. Those
 results are checked twice: tightly (1e-5 of the summed magnitudes) against a float64
 oracle of the same arithmetic (x_q, d_x from int8_activations() below, the blocks' integer
@@ -29,7 +29,7 @@ from pagedserve import ops
 QUANTIZABLE = [T.Q8_0, T.Q4_0, T.Q4_1]
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
 ALL_TYPES = QUANTIZABLE + K_QUANTS
-INT8_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1]  # the formats with an int8-activation kernel
+INT8_TYPES = ALL_TYPES  # the formats with an int8-activation kernel
 HAS_VNNI = "avx512_vnni" in Path("/proc/cpuinfo").read_text().split()
 # Byte offsets of each K-quant block's float16 scales (gguf_blocks.h): d (and dmin).
 _HALF_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
@@ -72,30 +72,82 @@ def int8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.rint(blocks * inverse[..., None]).astype(np.int64), d
 
 
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit (scale, min) pairs of Q4_K / Q5_K super-blocks from their 12 scale bytes [..., 12]."""
+    s = scales.astype(np.int64)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _half(b: np.ndarray, offset: int) -> np.ndarray:
+    return b[..., offset:offset + 2].copy().view(np.float16)[..., 0].astype(np.float64)
+
+
+def _k_block_codes(b: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """block_codes() of K-quant super-blocks b [N, S, bytes], each cut into 8 blocks of 32 weights."""
+    n, s = b.shape[:2]
+    if qtype == T.Q6_K:  # element 128 h + r: ql[64 h + r % 64] >> 4 (r // 64), qh[32 h + r % 32] >> 2 (r // 32)
+        ql, qh = b[..., :128].astype(np.int64), b[..., 128:192].astype(np.int64)
+        codes = np.empty((n, s, 256), dtype=np.int64)
+        for h in range(2):
+            for r in range(128):
+                low = (ql[..., 64 * h + r % 64] >> (4 * (r // 64))) & 15
+                codes[..., 128 * h + r] = low | (((qh[..., 32 * h + r % 32] >> (2 * (r // 32))) & 3) << 4)
+        scales = b[..., 192:208].copy().view(np.int8).astype(np.float64) * _half(b, 208)[..., None]  # [N, S, 16]
+        dw = np.repeat(scales, 16, axis=-1)  # per element
+        return (codes - 32).reshape(n, 8 * s, 32), dw.reshape(n, 8 * s, 32), np.zeros((n, 8 * s))
+    sc, mn = _k_scale_min(b[..., 4:16])  # [N, S, 8]
+    start = 16 if qtype == T.Q4_K else 48
+    nib = b[..., start:start + 128].astype(np.int64).reshape(n, s, 4, 32)
+    codes = np.stack([nib & 15, nib >> 4], axis=3).reshape(n, s, 8, 32)  # sub-block 2g low, 2g + 1 high
+    if qtype == T.Q5_K:  # bit j of qh[i] is the 5th bit of element i of sub-block j
+        qh = b[..., 16:48].astype(np.int64)
+        codes = codes | (((qh[:, :, None, :] >> np.arange(8)[None, None, :, None]) & 1) << 4)
+    dw = _half(b, 0)[..., None] * sc
+    mw = -_half(b, 2)[..., None] * mn
+    return codes.reshape(n, 8 * s, 32), np.repeat(dw.reshape(n, 8 * s, 1), 32, axis=-1), mw.reshape(n, 8 * s)
+
+
 def block_codes(blocks: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(codes [N, K/32, 32] int64, scale d_w [N, K/32], offset m_w [N, K/32]) with w = d_w codes + m_w."""
+    """(codes [N, K/32, 32] int64, scale d_w [N, K/32, 32] per weight, offset m_w [N, K/32]) with
+    w = d_w codes + m_w, per 32-weight block (a K-quant super-block's 8 sub-blocks; Q6_K's scale
+    changes every 16 weights)."""
     n = blocks.shape[0]
     size = GGML_QUANT_SIZES[qtype][1]
     b = blocks.reshape(n, -1, size)
-    d = b[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if qtype in K_QUANTS:
+        return _k_block_codes(b, qtype)
+    d = _half(b, 0)
+    dw = np.repeat(d[..., None], 32, axis=-1)
     if qtype == T.Q8_0:
-        return b[:, :, 2:].copy().view(np.int8).astype(np.int64), d, np.zeros_like(d)
+        return b[:, :, 2:].copy().view(np.int8).astype(np.int64), dw, np.zeros_like(d)
     start = 2 if qtype == T.Q4_0 else 4
     nib = b[:, :, start:start + 16].astype(np.int64)
     codes = np.concatenate([nib & 15, nib >> 4], axis=-1)
     if qtype == T.Q4_0:
-        return codes - 8, d, np.zeros_like(d)
-    return codes, d, b[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        return codes - 8, dw, np.zeros_like(d)
+    return codes, dw, _half(b, 2)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_block_codes_oracle_equals_package_dequantization(qtype):
+    """The int8 oracle's own decoding (codes, scales, offsets per 32-weight block) against the `gguf` package."""
+    rng = np.random.default_rng(23)
+    k = 512 if qtype in K_QUANTS else 96
+    blocks = make_blocks(qtype, 6, k, rng)
+    codes, dw, mw = block_codes(blocks, qtype)
+    np.testing.assert_array_equal((codes * dw + mw[..., None]).reshape(6, k), dequantized(blocks, qtype))
 
 
 def assert_matches_int8_arithmetic(y: torch.Tensor, x: np.ndarray, blocks: np.ndarray, qtype: T,
                                    bias: np.ndarray | None = None):
     xq, dx = int8_activations(x)
     codes, dw, mw = block_codes(blocks, qtype)
-    dots = np.einsum("mbk,nbk->mnb", xq, codes).astype(np.float64)
+    dots = np.einsum("mbk,nbk->mnb", xq.astype(np.float64), codes * dw)  # exact: d_w codes x_q fit 53 bits
     sums = xq.sum(-1).astype(np.float64)  # [M, B]
     dx64 = dx.astype(np.float64)
-    terms = dx64[:, None, :] * (dw[None] * dots + mw[None] * sums[:, None, :])
+    terms = dx64[:, None, :] * (dots + mw[None] * sums[:, None, :])
     ref = terms.sum(-1) + (0 if bias is None else bias.astype(np.float64))
     bound = 1e-5 * np.abs(terms).sum(-1) + 1e-6
     err = np.abs(y.numpy().astype(np.float64) - ref)
@@ -129,7 +181,7 @@ def run(x: np.ndarray, blocks: np.ndarray, qtype: T, bias: np.ndarray | None = N
 
 
 def _k_sizes(qtype: T) -> list[int]:
-    return [256, 512] if qtype in K_QUANTS else [32, 96, 576]
+    return [256, 768] if qtype in K_QUANTS else [32, 96, 576]  # 768: an odd count of super-blocks
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
@@ -226,7 +278,7 @@ def test_int8_path_edge_activations(qtype):
     if not int8_path(qtype):
         pytest.skip("kernels run below AVX-512 in this process")
     rng = np.random.default_rng(17)
-    k = 128
+    k = 256 if qtype in K_QUANTS else 128
     blocks = make_blocks(qtype, 7, k, rng)
     x = rng.standard_normal((3, k)).astype(np.float32)
     x[0, :32] = 0

@@ -35,9 +35,10 @@ struct LinearArgs {
   int64_t row_bytes;
 };
 
-// Whether gguf_linear takes the int8-activation path for `type`: Q4_0, Q4_1
-// or Q8_0, the kernels' ISA level (cpu_isa()) AVX-512 or above, and the CPU
-// has AVX512_VNNI (CPUID leaf 7, ECX bit 11).
+// Whether gguf_linear takes the int8-activation path for `type` (every format
+// of gguf_blocks.h: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): the kernels' ISA
+// level (cpu_isa()) AVX-512 or above, and the CPU has AVX512_VNNI (CPUID
+// leaf 7, ECX bit 11).
 bool int8_activations_apply(BlockType type);
 
 // out = x W^T (+ bias) on that path; the caller checked the arguments.

@@ -7,9 +7,9 @@
 // step (M = 1) reads each weight byte once from memory, and a prefill decodes
 // each tile once per kRowChunk rows of x rather than once per row. These
 // float32 kernels keep the result within float32 rounding of the dequantized
-// matrix product; they run the K-quants, and every format on CPUs without
-// AVX512_VNNI (or below the AVX-512 level). With VNNI, Q4_0 / Q4_1 / Q8_0 take
-// gguf_int8.h's int8-activation kernels instead, for every M (batch invariant).
+// matrix product; they run every format on CPUs without AVX512_VNNI (or below
+// the AVX-512 level). With VNNI, every format takes gguf_int8.h's
+// int8-activation kernels instead, for every M (batch invariant).
 //
 // Kernels: the decoders are gguf_blocks.h's loops, compiled per ISA level;
 // the dot products run as AVX-512 FMAs (4 rows of x x 4 weight rows = 16

@@ -5,7 +5,7 @@
 // blocks: [N, row_bytes] uint8, row n = output feature n (one embedding row),
 // its K / block_elems blocks along K; type: the ggml type number (2 Q4_0,
 // 3 Q4_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K). Arithmetic is float32, except
-// Q4_0 / Q4_1 / Q8_0 on AVX512_VNNI CPUs, where x is first rounded to int8 per
+// on AVX512_VNNI CPUs (every format), where x is first rounded to int8 per
 // 32-element block and multiplied in integers (gguf_int8.h). Bad
 // arguments (an unsupported type, a row_bytes that does not match K) throw
 // std::invalid_argument.

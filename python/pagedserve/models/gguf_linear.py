@@ -45,7 +45,7 @@ def merge_segments(segments: Sequence[Segment]) -> list[Segment]:
 
 class GgufLinear(LinearKernel):
     """y = x W^T (+ b) with W's rows as GGUF blocks (ops.gguf_linear: float32 arithmetic, or int8 activations
-    for Q4_0 / Q4_1 / Q8_0 on AVX512_VNNI CPUs)."""
+    on AVX512_VNNI CPUs)."""
 
     def __init__(self, segments: Sequence[Segment]):
         self.segments = merge_segments(segments)
