@@ -58,7 +58,7 @@ def mode(request):
 
 @pytest.fixture(scope="module")
 def engines(mode, default_model_path):
-    options = dict(model=str(default_model_path), max_model_len=256, **MODES[mode])
+    options = dict(model=str(default_model_path), device="cpu", max_model_len=256, **MODES[mode])
     plain = LLM(**options, enable_prefix_caching=False, max_num_seqs=64)
     chunked = LLM(**options, enable_prefix_caching=True, max_num_seqs=16, max_num_batched_tokens=16)
     yield plain, chunked

@@ -49,7 +49,7 @@ def decode_seconds_per_step(llm: LLM, prompts: list[list[int]]) -> float:
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
 def test_a_competing_process_slows_a_step_at_most_2x(default_model_path):
     cores = os.sched_getaffinity(0)
-    llm = LLM(str(default_model_path), enable_prefix_caching=False, max_num_seqs=BATCH, max_model_len=128)
+    llm = LLM(str(default_model_path), device="cpu", enable_prefix_caching=False, max_num_seqs=BATCH, max_model_len=128)
     rng = np.random.default_rng(0)
     prompts = rng.integers(100, 30000, size=(BATCH, 24)).tolist()
     decode_seconds_per_step(llm, prompts)  # warm-up

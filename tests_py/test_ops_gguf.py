@@ -60,7 +60,7 @@ def assert_matches_float64(y: torch.Tensor, x: np.ndarray, w: np.ndarray, bias: 
 
 def int8_path(qtype: T) -> bool:
     """Whether gguf_linear takes the int8-activation path for qtype at the current ISA level."""
-    return qtype in INT8_TYPES and HAS_VNNI and ops.cpu_isa() in ("avx512", "amx")
+    return qtype in INT8_TYPES and HAS_VNNI and ops.cpu_isa() not in ("baseline", "avx2")  # AVX-512 and above
 
 
 def int8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -117,7 +117,7 @@ def pagedserve_engine(spec):
 
     options = dict(spec["options"])
     model = options.pop("model", spec["model"])
-    llm = LLM(model, max_num_seqs=max(spec["batches"]), max_model_len=spec["ttft_len"] + 16,
+    llm = LLM(model, device="cpu", max_num_seqs=max(spec["batches"]), max_model_len=spec["ttft_len"] + 16,
               enable_prefix_caching=False, **options)
     worker = llm.llm_engine.worker
     kernels = sorted({type(m.kernel).__name__ for m in worker.model.modules() if getattr(m, "kernel", None)})
@@ -210,7 +210,7 @@ def accuracy(names_options: dict[str, dict], model: str) -> list[dict]:
     out, outputs = [], {}
     for name, options in names_options.items():
         options = dict(options)
-        llm = LLM(options.pop("model", model), **options)
+        llm = LLM(options.pop("model", model), device="cpu", **options)
         done = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
                             SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True), use_tqdm=False)
         outputs[name] = [list(o.outputs[0].token_ids) for o in done]
