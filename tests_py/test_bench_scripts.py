@@ -44,7 +44,8 @@ SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py"
            "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py", "perf/moe_bench.py",
            "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py",
            "perf/gguf_bench.py", "perf/cpu_serving_bench.py", "perf/tp_bench.py", "perf/tp_comm_model.py",
-           "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/sdpa_numerics.py",
+           "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/cpu_precision_agreement.py",
+           "numerics/sdpa_numerics.py",
            "numerics/norm_numerics.py", "numerics/softmax_numerics.py"]
 
 

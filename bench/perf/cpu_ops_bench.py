@@ -8,7 +8,7 @@ gathered through the block table followed by scaled_dot_product_attention).
     PYTHONPATH=python python bench/perf/cpu_ops_bench.py [--dtypes float32 bfloat16] [--repeats 50] [--threads 1 16]
     python bench/perf/cpu_ops_bench.py --quick        # 3 repeats, one thread: checks the script works
 
-Then the matrix kernels (cpu_linear_kernels.py): GB/s and GFLOP/s per SmolLM2 projection shape, batch size
+Then the matrix kernels (_cpu_linear_kernels.py): GB/s and GFLOP/s per SmolLM2 projection shape, batch size
 (--linear-rows, default 1 16 64; --quick: 1 16) and mode (float32, bfloat16, int8), with every core.
 
 Prints a table and writes bench/results/cpu_ops.json and bench/results/cpu_ops.md.
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.report import arg_parser, save  # noqa: E402
 
 from pagedserve import ops  # noqa: E402
-from cpu_linear_kernels import bench_linear, linear_markdown, print_linear  # noqa: E402
+from _cpu_linear_kernels import bench_linear, linear_markdown, print_linear  # noqa: E402
 
 # SmolLM2-135M
 HIDDEN = 576
