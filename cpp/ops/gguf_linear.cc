@@ -44,16 +44,7 @@ constexpr int kXRows = 4;         // rows of x per register block
 constexpr int kLanes = 16;        // K is a multiple of 32, so of 16
 constexpr int64_t kRowChunk = 64;  // rows of x kept in L2 while the tiles pass (64 x 1536 floats = 384 KiB)
 
-struct GgufProblem {
-  const float* x;         // [M, K]
-  const uint8_t* blocks;  // [N, row_bytes]
-  const float* bias;      // [N] or null
-  float* out;             // [M, out_stride]
-  int64_t rows;           // M
-  int64_t in_features;    // K
-  int64_t out_features;   // N
-  int64_t out_stride;
-  int64_t row_bytes;
+struct GgufProblem : gguf::LinearArgs {
   int64_t row_blocks;  // K / block_elems
 
   int64_t tiles() const { return (out_features + kTileRows - 1) / kTileRows; }
@@ -266,13 +257,12 @@ void gguf_linear(const TensorView& out, const TensorView& x, const TensorView& b
     require_tensor_of(op, "bias", *bias, Device::kCPU, 1, DType::kFloat32);
     require_size(op, "bias", *bias, 0, n_size);
   }
+  const gguf::LinearArgs args{x.ptr<float>(), blocks.ptr<uint8_t>(), bias ? bias->ptr<float>() : nullptr,
+                              out.ptr<float>(), rows, k_size, n_size, out.stride(0), blocks.size(1)};
   if (gguf::int8_activations_apply(format.type)) {  // AVX512_VNNI: int8 activations (gguf_int8.h)
-    return gguf::linear_int8_activations(
-        format.type, {x.ptr<float>(), blocks.ptr<uint8_t>(), bias ? bias->ptr<float>() : nullptr, out.ptr<float>(),
-                      rows, k_size, n_size, out.stride(0), blocks.size(1)});
+    return gguf::linear_int8_activations(format.type, args);
   }
-  const GgufProblem p{x.ptr<float>(), blocks.ptr<uint8_t>(), bias ? bias->ptr<float>() : nullptr,
-                      out.ptr<float>(), rows, k_size, n_size, out.stride(0), blocks.size(1), k_size / format.elems};
+  const GgufProblem p{args, k_size / format.elems};
   gguf::dispatch_block_type(format.type, [&]<BlockType kType>() { run_linear<kType>(p); });
 }
 
