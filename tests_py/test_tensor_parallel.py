@@ -34,6 +34,7 @@ import torch
 from hf_helpers import make_hf_model
 from pagedserve import LLM, SamplingParams
 from pagedserve.errors import EngineDeadError
+from server_process import subprocess_env
 from test_model_families import COMMON, hf_family_model, prompts
 
 TOL = 1e-5  # absolute (plus 1e-6 relative), float32 logprobs: TP = 2 against TP = 1
@@ -245,7 +246,7 @@ def pagedserve_generate(prefix: list[str], *flags: str) -> subprocess.Popen:
     """`pagedserve generate` (greedy, float32 on the CPU) under the launcher `prefix`."""
     args = ["generate", "The capital of France is", "--temperature", "0", "--max-tokens", "12", "--device", "cpu",
             "--dtype", "float32", "--max-model-len", "256", *flags]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "python"), "OMP_NUM_THREADS": "1"}
+    env = {**subprocess_env(), "OMP_NUM_THREADS": "1"}  # the pagedserve the tests import (installed or the tree's)
     return subprocess.Popen(prefix + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=ROOT)
 
