@@ -86,6 +86,15 @@ size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim
 void grouped_linear(const TensorView& out, const TensorView& x, const TensorView& weight,
                     const TensorView& expert_offsets, cudaStream_t stream);
 
+// out = x W^T (+ bias) for a few rows (semantics: ops::small_batch_linear):
+// one warp per output column, memory-bound, one launch. x: [M, K] with
+// 1 <= M <= 8 (ops::kMaxSmallBatchRows); weight: [N, K]; bias: [N] or empty;
+// out: [M, N]. gated: weight is [gate; up] ([2I, K], bias [2I]) and out
+// [M, I] = silu(gate) * up. K % (16 / element size) == 0, x and weight 16-byte
+// aligned.
+void small_batch_linear(const TensorView& out, const TensorView& x, const TensorView& weight, const TensorView& bias,
+                        bool gated, cudaStream_t stream);
+
 // Gumbel-max sampling, one token per row; see cpp/ops/ops.h.
 void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature, uint64_t seed,
                    cudaStream_t stream);

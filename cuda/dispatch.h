@@ -76,6 +76,22 @@ decltype(auto) dispatch_attention(ops::DType dtype, int head_dim, int block_size
   });
 }
 
+// Row counts small_batch_linear is compiled for: 1..kMaxSmallBatchRows (ops/op_contracts.h).
+template <typename Fn>
+decltype(auto) dispatch_small_rows(int rows, std::string_view op, Fn&& fn) {
+  switch (rows) {
+    case 1: return fn.template operator()<1>();
+    case 2: return fn.template operator()<2>();
+    case 3: return fn.template operator()<3>();
+    case 4: return fn.template operator()<4>();
+    case 5: return fn.template operator()<5>();
+    case 6: return fn.template operator()<6>();
+    case 7: return fn.template operator()<7>();
+    case 8: return fn.template operator()<8>();
+    default: fail_unsupported(op, "row count", std::to_string(rows), "1..8");
+  }
+}
+
 // Elementwise kernels: 16-byte vectors when `vectorized`, else one element at a time.
 template <typename T, typename Fn>
 decltype(auto) dispatch_vector_width(bool vectorized, Fn&& fn) {

@@ -45,8 +45,8 @@ def copy_bandwidth_gbs() -> float:
 
 def kernel_group(name: str) -> str:
     """A short, stable label for a kernel: its function name without templates and arguments."""
-    name = re.sub(r"<.*", "", name.split("(")[0])
-    name = name.replace("void ", "").split("::")[-1]
+    name = re.sub(r"\(anonymous namespace\)::", "", name).replace("void ", "")
+    name = re.sub(r"<.*", "", name).split("(")[0].split("::")[-1]
     if "gemv" in name or "gemm" in name or "sm90" in name or "cutlass" in name or "nvjet" in name:
         return "matmul (cuBLAS): " + name[:48]
     return name[:70]

@@ -60,6 +60,11 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                        {window, softcap});
 }
 
+void small_batch_linear(const TensorView& out, const TensorView& x, const TensorView& weight,
+                        const std::optional<TensorView>& bias, bool gated, HostStream) {
+  ops::small_batch_linear(out, x, weight, bias.value_or(TensorView{}), gated);
+}
+
 void rope_cos_sin_cache(const TensorView& cos_sin, double theta, double factor, double low_freq_factor,
                         double high_freq_factor, int64_t original_max_position) {
   ops::rope_cos_sin_cache(cos_sin, theta, {factor, low_freq_factor, high_freq_factor, original_max_position});
@@ -100,6 +105,10 @@ void bind_ops(py::module_& m) {
                    "Mixture-of-experts products: out[r] = x[r] weight[e]^T for the rows [expert_offsets[e], "
                    "expert_offsets[e + 1]) of each expert e (cpp/ops/grouped_linear.h).",
                    py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("expert_offsets"), stream);
+  def_op<kRelease>(m, "small_batch_linear", &small_batch_linear,
+                   "out = x weight^T (+ bias) for 1..8 rows; gated: weight = [gate; up], out = silu(gate) * up.",
+                   py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+                   py::arg("gated") = false, stream);
   def_op<kRelease>(m, "sample_tokens", &OnHost<&ops::sample_tokens>::call,
                    "Gumbel-max sampling of one token per row: argmax(logits * inv_temperature + gumbel noise); "
                    "rows with inv_temperature <= 0 are greedy.",

@@ -268,6 +268,28 @@ void check_grouped_linear(Device device, const TensorView& out, const TensorView
   }
 }
 
+void check_small_batch_linear(Device device, const TensorView& out, const TensorView& x, const TensorView& weight,
+                              const TensorView& bias, bool gated) {
+  Args a("small_batch_linear", device);
+  a.floats("x", x, 2);
+  a.floats("weight", weight, 2);
+  a.same_dtype("weight", weight, x);
+  a.size("weight", weight, 1, x.size(1));
+  PS_REQUIRE(x.size(0) >= 1 && x.size(0) <= kMaxSmallBatchRows && x.size(1) > 0, a.op(),
+             "x must have 1.." + std::to_string(kMaxSmallBatchRows) + " rows and K > 0, got " + x.describe());
+  PS_REQUIRE(!gated || weight.size(0) % 2 == 0, a.op(),
+             "a gated product needs [gate; up] rows (an even count), got " + weight.describe());
+  if (bias.data != nullptr) {
+    a.floats("bias", bias, 1);
+    a.same_dtype("bias", bias, x);
+    a.size("bias", bias, 0, weight.size(0));
+  }
+  a.floats("out", out, 2);
+  a.same_dtype("out", out, x);
+  a.size("out", out, 0, x.size(0));
+  a.size("out", out, 1, gated ? weight.size(0) / 2 : weight.size(0));
+}
+
 void require_expert_offsets(std::string_view op, const TensorView& offsets, int64_t num_experts, int64_t rows) {
   require_size(op, "expert_offsets", offsets, 0, num_experts + 1);
   const int32_t* bounds = offsets.ptr<int32_t>();

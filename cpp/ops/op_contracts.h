@@ -76,6 +76,12 @@ void check_paged_attention(Device device, const TensorView& out, const TensorVie
 void check_grouped_linear(Device device, const TensorView& out, const TensorView& x, const TensorView& weight,
                           const TensorView& expert_offsets);
 
+// small_batch_linear: x [M, K] float, 1 <= M <= kMaxSmallBatchRows, K > 0; weight [N, K];
+// bias [N] or empty (no data); out [M, N], or [M, N / 2] when gated (N even).
+inline constexpr int kMaxSmallBatchRows = 8;
+void check_small_batch_linear(Device device, const TensorView& out, const TensorView& x, const TensorView& weight,
+                              const TensorView& bias, bool gated);
+
 // sample_tokens: logits [R, V] float, V > 0; out [R] int32; inv_temperature [R] float32.
 void check_sample_tokens(Device device, const TensorView& out, const TensorView& logits,
                          const TensorView& inv_temperature);

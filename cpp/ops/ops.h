@@ -111,6 +111,13 @@ void int8_linear(const TensorView& out, const TensorView& x, const TensorView& p
 // The kernel int8_linear runs now: "amx_int8", "avx512_vnni" or "<level>_int32".
 std::string_view int8_linear_kernel();
 
+// out = x W^T (+ bias) for 1..kMaxSmallBatchRows rows: the reference of the
+// CUDA decode-step product (cuda/small_batch_linear.cu). x: [M, K];
+// weight: [N, K]; bias: [N] or empty; out: [M, N]. gated: weight is [gate; up]
+// and out [M, N / 2] = silu(gate) * up, gate and up rounded to the dtype first.
+void small_batch_linear(const TensorView& out, const TensorView& x, const TensorView& weight, const TensorView& bias,
+                        bool gated);
+
 // Mixture-of-experts expert products, rows grouped by expert
 // (grouped_linear.h has the layout): for each expert e, rows
 // [expert_offsets[e], expert_offsets[e + 1]) of x times weight[e]^T:

@@ -39,6 +39,11 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                         stream);
 }
 
+void small_batch_linear(const TensorView& out, const TensorView& x, const TensorView& weight,
+                        const std::optional<TensorView>& bias, bool gated, cudaStream_t stream) {
+  cuda::small_batch_linear(out, x, weight, bias.value_or(TensorView{}), gated, stream);
+}
+
 }  // namespace
 
 void bind_cuda_ops(py::module_& m) {
@@ -73,6 +78,10 @@ void bind_cuda_ops(py::module_& m) {
                 py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
                 py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("num_decodes"),
                 py::arg("workspace").none(true), py::arg("window"), py::arg("softcap"), stream);
+  def_op<kHold>(m, "small_batch_linear", &small_batch_linear,
+                "out = x weight^T (+ bias) for 1..8 rows; gated: weight = [gate; up], out = silu(gate) * up.",
+                py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
+                py::arg("gated") = false, stream);
   def_op<kHold>(m, "grouped_linear", &cuda::grouped_linear,
                 "Mixture-of-experts products: out[r] = x[r] weight[e]^T for the rows [expert_offsets[e], "
                 "expert_offsets[e + 1]) of each expert e (cpp/ops/grouped_linear.h).",

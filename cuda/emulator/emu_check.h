@@ -125,5 +125,6 @@ void elementwise_cases();
 void attention_cases();
 void attention_option_cases();  // sliding window, soft-capping
 void grouped_linear_cases();
+void small_batch_linear_cases();
 
 }  // namespace emu_check

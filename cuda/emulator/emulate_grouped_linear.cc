@@ -38,7 +38,35 @@ void grouped_case(DType dt, int k_size, int n_size, std::vector<int> counts, int
   report(what, error < tolerance(dt) && untouched, error);
 }
 
+// small_batch_linear against its CPU reference: every row count 1..8, K not a
+// multiple of one warp's 256 elements, bias, the gated epilogue. The sums run
+// in another order (lanes, then a shuffle tree), so results agree to the
+// dtype's tolerance, not bit for bit.
+void small_batch_case(DType dt, int rows, int k_size, int n_size, bool bias, bool gated) {
+  Tensor x = Tensor(dt, {rows, k_size}).randomize(), weight = Tensor(dt, {n_size, k_size}).randomize(0.1f);
+  Tensor b = Tensor(dt, {n_size}).randomize();
+  const int cols = gated ? n_size / 2 : n_size;
+  Tensor out = Tensor(dt, {rows, cols}).poison(), expected = Tensor(dt, {rows, cols}).poison();
+  gpu::small_batch_linear(out.gpu(), x.gpu(), weight.gpu(), bias ? b.gpu() : pagedserve::ops::TensorView{}, gated,
+                          nullptr);
+  cpu::small_batch_linear(expected.cpu(), x.cpu(), weight.cpu(), bias ? b.cpu() : pagedserve::ops::TensorView{},
+                          gated);
+  expect_close(std::string("small_batch_linear ") + name(dt) + " M" + std::to_string(rows) + " K" +
+                   std::to_string(k_size) + " N" + std::to_string(n_size) + (bias ? " bias" : "") +
+                   (gated ? " gated" : ""),
+               out, expected);
+}
+
 }  // namespace
+
+void small_batch_linear_cases() {
+  for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (int rows = 1; rows <= 8; ++rows) small_batch_case(dt, rows, 264, 10, rows % 2 == 0, false);
+    small_batch_case(dt, 1, 2048, 36, false, false);
+    small_batch_case(dt, 3, 520, 24, true, true);
+    small_batch_case(dt, 8, 64, 6, false, true);
+  }
+}
 
 void grouped_linear_cases() {
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {

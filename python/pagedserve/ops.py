@@ -31,6 +31,8 @@ __all__ = [
     "copy_blocks",
     "paged_attention",
     "grouped_linear",
+    "small_batch_linear",
+    "MAX_SMALL_BATCH_ROWS",
     "set_num_threads",
     "num_threads",
     "cpu_isa",
@@ -170,6 +172,18 @@ def paged_attention_workspace(num_seqs: int, num_heads: int, head_dim: int, max_
         return None
     nbytes = _core.cuda_ops.paged_attention_workspace_bytes(num_seqs, num_heads, head_dim, max_seq_len)
     return torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=device)
+
+
+MAX_SMALL_BATCH_ROWS = 8  # cpp/ops/op_contracts.h kMaxSmallBatchRows
+
+
+def small_batch_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                       gated: bool = False) -> None:
+    """out = x weight^T (+ bias) for 1..8 rows of x [M, K], weight [N, K] (a decode step's product; on a GPU one
+    memory-bound kernel, on the CPU its plain-loop reference). gated: weight = [gate; up] ([2I, K]) and
+    out [M, I] = silu(gate) * up."""
+    kernels, stream = _backend(x)
+    kernels.small_batch_linear(_dl(out), _dl(x), _dl(weight), None if bias is None else _dl(bias), gated, stream)
 
 
 def grouped_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ from pagedserve.distributed.context import SINGLE, ParallelContext
 from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.models.families import SLIDING
 from pagedserve.models.layers import (LayerNorm, Linear, PagedAttention, RMSNorm, RotaryEmbedding,
-                                      activation, activation_and_mul)
+                                      activation, activation_and_mul, small_batch_product)
 from pagedserve.models.linear_kernels import LinearKernel, PackedBf16
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.models.moe import SparseMoeBlock
@@ -114,9 +114,13 @@ class MLP(nn.Module):
         self.gate_up_proj = column_linear(config.hidden_size, (size, size), config.mlp_bias, dtype, device, parallel)
         self.down_proj = row_linear(size, config.hidden_size, config.mlp_bias, dtype, device, parallel)
         self.act = activation_and_mul(config.hidden_act)
+        self.fused_silu = config.hidden_act == "silu"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(hidden)))
+        gated = self.gate_up_proj.gated_forward(hidden) if self.fused_silu else None
+        if gated is None:
+            gated = self.act(self.gate_up_proj(hidden))
+        return self.down_proj(gated)
 
 
 class DenseMLP(nn.Module):
@@ -297,7 +301,9 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head_kernel is not None:
             logits = self.lm_head_kernel(hidden, self.lm_head_bias())
         else:
-            logits = F.linear(hidden, self.lm_head_weight(), self.lm_head_bias())
+            logits = small_batch_product(hidden, self.lm_head_weight(), self.lm_head_bias())
+            if logits is None:
+                logits = F.linear(hidden, self.lm_head_weight(), self.lm_head_bias())
         if self.parallel.is_parallel:
             logits = self.parallel.gather_to_driver(logits)
             if logits is None:

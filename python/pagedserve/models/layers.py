@@ -27,6 +27,21 @@ def _empty_parameter(shape: Sequence[int], dtype: torch.dtype, device: torch.dev
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def small_batch_product(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                        gated: bool = False) -> Optional[torch.Tensor]:
+    """x W^T (+ bias) through ops.small_batch_linear when it applies (a CUDA decode step of at most 8 rows,
+    16-bit weights), else None. One memory-bound launch instead of cuBLAS's 45-70 % of the copy bandwidth at
+    M = 1 (bench/perf/decode_kernels.py); gated: W = [gate; up], the result silu(gate) * up. The shapes are
+    the same at every replay of a captured CUDA graph, so the choice is made once per graph."""
+    if (weight is None or not x.is_cuda or not 1 <= x.shape[0] <= ops.MAX_SMALL_BATCH_ROWS
+            or weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype
+            or not x.is_contiguous() or x.shape[1] % 8 or (bias is not None and bias.dtype != x.dtype)):
+        return None
+    out = torch.empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0], dtype=x.dtype, device=x.device)
+    ops.small_batch_linear(out, x, weight, bias, gated)
+    return out
+
+
 class Linear(nn.Module):
     """y = x W^T + b. ``output_sizes`` lists the row blocks of a merged projection (see weights.py).
 
@@ -53,9 +68,17 @@ class Linear(nn.Module):
         self.use_kernel(PackedBf16(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is None:
-            return F.linear(x, self.weight, self.bias)
-        return self.kernel(x, self.bias)
+        if self.kernel is not None:
+            return self.kernel(x, self.bias)
+        out = small_batch_product(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias) if out is None else out
+
+    def gated_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """silu(gate) * up of a merged [gate; up] projection in one kernel where small_batch_product
+        applies, else None (the caller runs forward, then the activation)."""
+        if self.kernel is not None:
+            return None
+        return small_batch_product(x, self.weight, self.bias, gated=True)
 
 
 class Embedding(nn.Module):

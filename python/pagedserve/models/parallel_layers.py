@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.distributed.context import SINGLE, ParallelContext, balanced_split
-from pagedserve.models.layers import Embedding, Linear, RMSNorm
+from pagedserve.models.layers import Embedding, Linear, RMSNorm, small_batch_product
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,11 @@ class RowParallelLinear(Linear):
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight) if self.kernel is None else self.kernel(x, None)
+        if self.kernel is not None:
+            out = self.kernel(x, None)
+        else:
+            out = small_batch_product(x, self.weight, None)
+            out = F.linear(x, self.weight) if out is None else out
         if self.reduce:
             self.parallel.all_reduce(out)
         if self.bias is not None and (self.reduce or self.parallel.is_driver):  # once over the ranks
