@@ -212,16 +212,14 @@ class LLMEngine:
                                                                                           f.sample_index)
             children[(f.parent, f.sample_index)] = f.child
         now = time.monotonic()
-        seq_ids, logprobs, k, constrained = out.seq_ids, sampled.logprobs, 0, []
+        seq_ids, logprobs, k = out.seq_ids, sampled.logprobs, 0
         for row, n in zip(out.sample_rows.tolist(), out.num_samples.tolist()):
             parent = int(seq_ids[row])
             for j in range(n):
                 owner = self._sequences.get(parent if j == 0 else children.get((parent, j), -1))
                 if owner is not None:
-                    self._add_token(owner, sampled.token_ids[k], logprobs[k] if logprobs else None, now,
-                                    constrained)
+                    self._add_token(owner, sampled.token_ids[k], logprobs[k] if logprobs else None, now)
                 k += 1
-        self.grammars.accept_all(constrained)  # the step's grammar advances in one call
         self.num_generation_tokens_total += k
         for f in result.finished:
             self._untext(self._sequences.ended(f.seq_id, f.reason, f.stop_token))
@@ -229,9 +227,7 @@ class LLMEngine:
             self._sequences.stop(sample)
             self._untext(request)
 
-    def _add_token(self, owner: tuple[Request, int], token: int, logprob, now: float, constrained: list) -> None:
-        """Appends the token to its sample; a sample under a grammar is listed in `constrained` (request,
-        sample, token) for its matcher to accept."""
+    def _add_token(self, owner: tuple[Request, int], token: int, logprob, now: float) -> None:
         request, index = owner
         sample = request.samples[index]
         if sample.done:
@@ -243,7 +239,7 @@ class LLMEngine:
         entry = self._logprob_entry(logprob) if logprob is not None and sample.logprobs is not None else None
         sample.add_token(token, entry, logprob.logprob if entry else 0.0)
         if sample.grammar is not None:
-            constrained.append((request, sample, token))
+            self.grammars.accept(request, sample, token)
         if sample.incremental:  # others get their text once, when they end
             self._untext(request)
 
