@@ -32,8 +32,10 @@ def small_batch_product(x: torch.Tensor, weight: Optional[torch.Tensor], bias: O
     """x W^T (+ bias) through ops.small_batch_linear when it applies (a CUDA decode step of at most 8 rows,
     16-bit weights), else None. One memory-bound launch instead of cuBLAS's 45-70 % of the copy bandwidth at
     M = 1 (bench/perf/decode_kernels.py); gated: W = [gate; up], the result silu(gate) * up. The shapes are
-    the same at every replay of a captured CUDA graph, so the choice is made once per graph."""
-    if (weight is None or not x.is_cuda or not 1 <= x.shape[0] <= ops.MAX_SMALL_BATCH_ROWS
+    the same at every replay of a captured CUDA graph, so the choice is made once per graph. Only for K >= 1024:
+    a shorter row gives each lane one or two loads, too little to cover the memory latency (SmolLM2, K = 576,
+    ran slower than with cuBLAS: 681 vs 781 tok/s single-stream on an H200)."""
+    if (weight is None or not x.is_cuda or not 1 <= x.shape[0] <= ops.MAX_SMALL_BATCH_ROWS or x.shape[1] < 1024
             or weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype
             or not x.is_contiguous() or x.shape[1] % 8 or (bias is not None and bias.dtype != x.dtype)):
         return None
