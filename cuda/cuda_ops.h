@@ -86,6 +86,15 @@ size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim
 void grouped_linear(const TensorView& out, const TensorView& x, const TensorView& weight,
                     const TensorView& expert_offsets, cudaStream_t stream);
 
+// The attention's input from the qkv projection in one kernel (semantics:
+// ops::qkv_rope_cache): the rotated queries into query_out [T, Hq, D], the
+// rotated keys and the values into their cache slots. Positions outside the
+// table leave q and k unrotated; a negative slot or one past the cache skips
+// the token's KV write.
+void qkv_rope_cache(const TensorView& query_out, const TensorView& qkv, const TensorView& positions,
+                    const TensorView& cos_sin, const TensorView& key_cache, const TensorView& value_cache,
+                    const TensorView& slot_mapping, cudaStream_t stream);
+
 // out = x W^T (+ bias) for a few rows (semantics: ops::small_batch_linear):
 // one warp per output column, memory-bound, one launch. x: [M, K] with
 // 1 <= M <= 8 (ops::kMaxSmallBatchRows); weight: [N, K]; bias: [N] or empty;

@@ -53,11 +53,11 @@ for stage in "${STAGES[@]}"; do
         -C cmake.define.USE_CUDA=ON -C build-dir=build/gpu . ;;
     optests)
       run_stage optests python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py \
-        tests_py/test_ops_grouped_linear.py tests_py/test_ops_attention_window.py tests_py/test_ops_small_batch_linear.py -q -p no:cacheprovider ;;
+        tests_py/test_ops_grouped_linear.py tests_py/test_ops_attention_window.py tests_py/test_ops_small_batch_linear.py tests_py/test_ops_qkv_rope_cache.py -q -p no:cacheprovider ;;
     sanitizer)  # memcheck over every GPU op test (~25 s); racecheck and synccheck on the attention subset
       run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py tests_py/test_ops_grouped_linear.py \
-        tests_py/test_ops_attention_window.py tests_py/test_ops_small_batch_linear.py -q -p no:cacheprovider
+        tests_py/test_ops_attention_window.py tests_py/test_ops_small_batch_linear.py tests_py/test_ops_qkv_rope_cache.py -q -p no:cacheprovider
       for tool in racecheck synccheck; do
         run_stage "sanitizer_$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 \
           python3 -m pytest tests_py/test_cuda_ops.py -q -p no:cacheprovider -k sanitizer_subset_attention

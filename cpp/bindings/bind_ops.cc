@@ -105,6 +105,10 @@ void bind_ops(py::module_& m) {
                    "Mixture-of-experts products: out[r] = x[r] weight[e]^T for the rows [expert_offsets[e], "
                    "expert_offsets[e + 1]) of each expert e (cpp/ops/grouped_linear.h).",
                    py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("expert_offsets"), stream);
+  def_op<kRelease>(m, "qkv_rope_cache", &OnHost<&ops::qkv_rope_cache>::call,
+                   "query_out = rotated q columns of qkv; rotated k and v written into their cache slots (one pass).",
+                   py::arg("query_out"), py::arg("qkv"), py::arg("positions"), py::arg("cos_sin_cache"), py::arg("key_cache"),
+                   py::arg("value_cache"), py::arg("slot_mapping"), stream);
   def_op<kRelease>(m, "small_batch_linear", &small_batch_linear,
                    "out = x weight^T (+ bias) for 1..8 rows; gated: weight = [gate; up], out = silu(gate) * up.",
                    py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),

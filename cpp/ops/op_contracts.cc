@@ -268,6 +268,38 @@ void check_grouped_linear(Device device, const TensorView& out, const TensorView
   }
 }
 
+void check_qkv_rope_cache(Device device, const TensorView& query_out, const TensorView& qkv,
+                          const TensorView& positions, const TensorView& cos_sin, const TensorView& key_cache,
+                          const TensorView& value_cache, const TensorView& slot_mapping) {
+  Args a("qkv_rope_cache", device);
+  a.floats("query_out", query_out, 3);
+  a.floats("qkv", qkv, 2);
+  a.same_dtype("qkv", qkv, query_out);
+  a.size("qkv", qkv, 0, query_out.size(0));
+  a.floats("key_cache", key_cache, 4);
+  a.same_dtype("key_cache", key_cache, qkv);
+  a.size("key_cache", key_cache, 3, query_out.size(2));
+  a.like("value_cache", value_cache, key_cache);
+  a.size("qkv", qkv, 1, (query_out.size(1) + 2 * key_cache.size(1)) * query_out.size(2));
+  a.of("positions", positions, 1, DType::kInt32);
+  a.size("positions", positions, 0, qkv.size(0));
+  a.of("slot_mapping", slot_mapping, 1, DType::kInt32);
+  a.size("slot_mapping", slot_mapping, 0, qkv.size(0));
+  a.of("cos_sin_cache", cos_sin, 2, DType::kFloat32);
+  const int64_t rotary = cos_sin.size(1);
+  PS_REQUIRE(rotary > 0 && rotary % 2 == 0 && rotary <= query_out.size(2), a.op(),
+             "cos_sin_cache's rotary dim must be even and within the head dim, got " + cos_sin.describe());
+  if (!a.reads_indices()) return;
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(2);
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    const int32_t pos = positions.ptr<int32_t>()[t], slot = slot_mapping.ptr<int32_t>()[t];
+    PS_REQUIRE(pos >= 0 && pos < cos_sin.size(0), a.op(),
+               "positions[" + std::to_string(t) + "] = " + std::to_string(pos) + " is outside the cos/sin table");
+    PS_REQUIRE(slot == kPadSlot || (slot >= 0 && slot < num_slots), a.op(),
+               "slot_mapping[" + std::to_string(t) + "] = " + std::to_string(slot) + " is outside the cache");
+  }
+}
+
 void check_small_batch_linear(Device device, const TensorView& out, const TensorView& x, const TensorView& weight,
                               const TensorView& bias, bool gated) {
   Args a("small_batch_linear", device);

@@ -76,6 +76,14 @@ void check_paged_attention(Device device, const TensorView& out, const TensorVie
 void check_grouped_linear(Device device, const TensorView& out, const TensorView& x, const TensorView& weight,
                           const TensorView& expert_offsets);
 
+// qkv_rope_cache: qkv [T, (Hq + 2 Hkv) D] float (q, k, v columns); query_out [T, Hq, D];
+// key_cache, value_cache [N, Hkv, B, D] of qkv's dtype; positions, slot_mapping [T] int32;
+// cos_sin_cache [max_position, R] float32, R even, 0 < R <= D. CPU: positions in range,
+// slots in the cache or kPadSlot.
+void check_qkv_rope_cache(Device device, const TensorView& query_out, const TensorView& qkv,
+                          const TensorView& positions, const TensorView& cos_sin, const TensorView& key_cache,
+                          const TensorView& value_cache, const TensorView& slot_mapping);
+
 // small_batch_linear: x [M, K] float, 1 <= M <= kMaxSmallBatchRows, K > 0; weight [N, K];
 // bias [N] or empty (no data); out [M, N], or [M, N / 2] when gated (N even).
 inline constexpr int kMaxSmallBatchRows = 8;

@@ -111,6 +111,16 @@ void int8_linear(const TensorView& out, const TensorView& x, const TensorView& p
 // The kernel int8_linear runs now: "amx_int8", "avx512_vnni" or "<level>_int32".
 std::string_view int8_linear_kernel();
 
+// The attention's input from the qkv projection in one op: query_out = the
+// rotated q columns; the rotated k columns and the v columns written into
+// their cache slots; the same results as rotary_embedding then
+// reshape_and_cache on the column slices. qkv: [T, (Hq + 2 Hkv) D];
+// query_out: [T, Hq, D]; key_cache, value_cache: [N, Hkv, B, D] (qkv's dtype);
+// positions, slot_mapping: [T] int32 (kPadSlot: no KV write); cos_sin: [max_position, R].
+void qkv_rope_cache(const TensorView& query_out, const TensorView& qkv, const TensorView& positions,
+                    const TensorView& cos_sin, const TensorView& key_cache, const TensorView& value_cache,
+                    const TensorView& slot_mapping);
+
 // out = x W^T (+ bias) for 1..kMaxSmallBatchRows rows: the reference of the
 // CUDA decode-step product (cuda/small_batch_linear.cu). x: [M, K];
 // weight: [N, K]; bias: [N] or empty; out: [M, N]. gated: weight is [gate; up]

@@ -78,6 +78,10 @@ void bind_cuda_ops(py::module_& m) {
                 py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
                 py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("num_decodes"),
                 py::arg("workspace").none(true), py::arg("window"), py::arg("softcap"), stream);
+  def_op<kHold>(m, "qkv_rope_cache", &cuda::qkv_rope_cache,
+                "query_out = rotated q columns of qkv; rotated k and v written into their cache slots (one pass).",
+                py::arg("query_out"), py::arg("qkv"), py::arg("positions"), py::arg("cos_sin_cache"), py::arg("key_cache"),
+                py::arg("value_cache"), py::arg("slot_mapping"), stream);
   def_op<kHold>(m, "small_batch_linear", &small_batch_linear,
                 "out = x weight^T (+ bias) for 1..8 rows; gated: weight = [gate; up], out = silu(gate) * up.",
                 py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),

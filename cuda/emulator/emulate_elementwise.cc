@@ -47,6 +47,43 @@ void rotary_cases(DType dt) {
   }
 }
 
+// The fused attention input against the unfused CPU ops it replaces: bit-identical queries and caches,
+// with partial rotary, a padded token (no KV write) and an out-of-table position (left unrotated on the GPU;
+// the CPU contract refuses it, so that token is compared with the unrotated copy).
+void qkv_rope_cache_cases(DType dt) {
+  for (auto [tokens, hq, hkv, head_dim, rotary_dim, block_size] :
+       std::vector<std::array<int, 6>>{{5, 8, 2, 128, 128, 16}, {3, 4, 4, 64, 32, 16}, {4, 6, 2, 80, 40, 32},
+                                       {2, 3, 1, 10, 6, 16}}) {
+    const int max_position = 64, num_blocks = 4;
+    Tensor cos_sin(DType::kFloat32, {max_position, rotary_dim});
+    for (int64_t i = 0; i < cos_sin.numel(); ++i) cos_sin.set(i, float(std::cos(0.37 * double(i))));
+    Tensor positions(DType::kInt32, {tokens}), slots(DType::kInt32, {tokens});
+    for (int t = 0; t < tokens; ++t) {
+      positions.ints()[t] = randint(0, max_position - 1);
+      slots.ints()[t] = t == 1 ? -1 : t * 3 + 1;
+    }
+    const int width = (hq + 2 * hkv) * head_dim;
+    Tensor qkv = Tensor(dt, {tokens, width}).randomize();
+    Tensor query = Tensor(dt, {tokens, hq, head_dim}).poison(), query_ref = query;
+    Tensor key_cache = Tensor(dt, {num_blocks, hkv, block_size, head_dim}).randomize(), value_cache = key_cache;
+    Tensor key_cache_ref = key_cache, value_cache_ref = value_cache;
+    gpu::qkv_rope_cache(query.gpu(), qkv.gpu(), positions.gpu(), cos_sin.gpu(), key_cache.gpu(), value_cache.gpu(),
+                        slots.gpu(), nullptr);
+    cpu::qkv_rope_cache(query_ref.cpu(), qkv.cpu(), positions.cpu(), cos_sin.cpu(), key_cache_ref.cpu(),
+                        value_cache_ref.cpu(), slots.cpu());
+    const std::string shape = std::string(name(dt)) + " Hq" + std::to_string(hq) + " Hkv" + std::to_string(hkv) +
+                              " D" + std::to_string(head_dim) + " R" + std::to_string(rotary_dim);
+    report("qkv_rope_cache " + shape, query.same_bytes(query_ref) && key_cache.same_bytes(key_cache_ref) &&
+                                          value_cache.same_bytes(value_cache_ref));
+    positions.ints()[0] = max_position + 3;  // out of the table: q and k copied unrotated
+    gpu::qkv_rope_cache(query.gpu(), qkv.gpu(), positions.gpu(), cos_sin.gpu(), key_cache.gpu(), value_cache.gpu(),
+                        slots.gpu(), nullptr);
+    bool unrotated = true;
+    for (int i = 0; i < hq * head_dim; ++i) unrotated &= query.get(i) == qkv.get(i);
+    report("qkv_rope_cache out-of-table position " + shape, unrotated);
+  }
+}
+
 void activation_cases(DType dt) {
   for (auto [tokens, width] : std::vector<std::pair<int, int>>{{3, 5632}, {2, 1001}, {7, 64}}) {
     Tensor x = Tensor(dt, {tokens, 2 * width}).randomize(3);
@@ -92,6 +129,7 @@ void elementwise_cases() {
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     norm_cases(dt);
     rotary_cases(dt);
+    qkv_rope_cache_cases(dt);
     activation_cases(dt);
     cache_cases(dt);
   }

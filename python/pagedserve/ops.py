@@ -32,6 +32,7 @@ __all__ = [
     "paged_attention",
     "grouped_linear",
     "small_batch_linear",
+    "qkv_rope_cache",
     "MAX_SMALL_BATCH_ROWS",
     "set_num_threads",
     "num_threads",
@@ -172,6 +173,16 @@ def paged_attention_workspace(num_seqs: int, num_heads: int, head_dim: int, max_
         return None
     nbytes = _core.cuda_ops.paged_attention_workspace_bytes(num_seqs, num_heads, head_dim, max_seq_len)
     return torch.empty((nbytes + 3) // 4, dtype=torch.float32, device=device)
+
+
+def qkv_rope_cache(query_out: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                   key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """From qkv [T, (Hq + 2 Hkv) D]: query_out [T, Hq, D] = rotated q; rotated k and v into the caches
+    [N, Hkv, B, D] at slot_mapping [T] (-1: skip). The same as rotary_embedding then reshape_and_cache on the
+    column slices, in one pass on a GPU."""
+    kernels, stream = _backend(qkv)
+    kernels.qkv_rope_cache(_dl(query_out), _dl(qkv), _dl(positions), _dl(cos_sin_cache), _dl(key_cache),
+                           _dl(value_cache), _dl(slot_mapping), stream)
 
 
 MAX_SMALL_BATCH_ROWS = 8  # cpp/ops/op_contracts.h kMaxSmallBatchRows

@@ -89,6 +89,12 @@ class Attention(nn.Module):
                 attn: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self._fused_input(qkv, layer_kv_cache):
+            query = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
+            ops.qkv_rope_cache(query, qkv, self.rotary.table_positions(positions, attn), self.rotary.cos_sin_cache,
+                               layer_kv_cache[0], layer_kv_cache[1], attn.slot_mapping)
+            out = self.attn.attend(query, layer_kv_cache, attn)
+            return self.o_proj(out.view(num_tokens, self.q_size))
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         query = self._heads(q, self.num_heads, self.q_norm)
         key = self._heads(k, self.num_kv_heads, self.k_norm)
@@ -97,6 +103,12 @@ class Attention(nn.Module):
             self.rotary(self.rotary.table_positions(positions, attn), query, key)
         out = self.attn(query, key, value, layer_kv_cache, attn)
         return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _fused_input(self, qkv: torch.Tensor, layer_kv_cache: torch.Tensor) -> bool:
+        """Whether ops.qkv_rope_cache makes the attention's input (on a GPU: one kernel instead of three copies,
+        rope and the cache write): rope on every q and k head, no q/k norms, a cache of qkv's dtype."""
+        return (qkv.is_cuda and self.rotary is not None and self.q_norm is None and self.k_norm is None
+                and layer_kv_cache.dtype == qkv.dtype and qkv.is_contiguous())
 
     def _heads(self, x: torch.Tensor, num_heads: int, norm: Optional[RMSNorm]) -> torch.Tensor:
         """A contiguous [T, heads, D] copy of a column slice of qkv, normalised when the model says so."""

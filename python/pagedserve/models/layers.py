@@ -32,10 +32,10 @@ def small_batch_product(x: torch.Tensor, weight: Optional[torch.Tensor], bias: O
     """x W^T (+ bias) through ops.small_batch_linear when it applies (a CUDA decode step of at most 8 rows,
     16-bit weights), else None. One memory-bound launch instead of cuBLAS's 45-70 % of the copy bandwidth at
     M = 1 (bench/perf/decode_kernels.py); gated: W = [gate; up], the result silu(gate) * up. The shapes are
-    the same at every replay of a captured CUDA graph, so the choice is made once per graph. Only for K >= 1024:
-    a shorter row gives each lane one or two loads, too little to cover the memory latency (SmolLM2, K = 576,
+    the same at every replay of a captured CUDA graph, so the choice is made once per graph. Only for K >= 2048 (eight 16-byte pieces per lane, the unrolled loop full):
+    a shorter row gives each lane too few loads to cover the memory latency (SmolLM2, K = 576 and 1536,
     ran slower than with cuBLAS: 681 vs 781 tok/s single-stream on an H200)."""
-    if (weight is None or not x.is_cuda or not 1 <= x.shape[0] <= ops.MAX_SMALL_BATCH_ROWS or x.shape[1] < 1024
+    if (weight is None or not x.is_cuda or not 1 <= x.shape[0] <= ops.MAX_SMALL_BATCH_ROWS or x.shape[1] < 2048
             or weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype
             or not x.is_contiguous() or x.shape[1] % 8 or (bias is not None and bias.dtype != x.dtype)):
         return None
@@ -274,8 +274,12 @@ class PagedAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv_cache: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D], layer_kv_cache [2, N, Hkv, B, D] -> [T, Hq, D]."""
+        ops.reshape_and_cache(key, value, layer_kv_cache[0], layer_kv_cache[1], attn.slot_mapping)
+        return self.attend(query, layer_kv_cache, attn)
+
+    def attend(self, query: torch.Tensor, layer_kv_cache: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        """Attention of query [T, Hq, D] over the cache, this step's keys and values already in it."""
         key_cache, value_cache = layer_kv_cache[0], layer_kv_cache[1]
-        ops.reshape_and_cache(key, value, key_cache, value_cache, attn.slot_mapping)
         out = torch.empty_like(query)
         ops.paged_attention(out, query, key_cache, value_cache, attn.block_tables, attn.query_start_loc,
                             attn.seq_lens, self.scale, attn.max_query_len, attn.max_seq_len,
