@@ -87,8 +87,11 @@ def main() -> None:
 
     engine_module.load_tokenizer = after("tokenizer", engine_module.load_tokenizer)
     worker_module.build_model = after("weights", worker_module.build_model)
-    packing = worker_module.StreamedPacking
-    packing.finish = after("packing", packing.finish)
+    if hasattr(worker_module, "StreamedPacking"):
+        packing = worker_module.StreamedPacking
+        packing.finish = after("packing", packing.finish)
+    else:  # a tree from before StreamedPacking (before/after comparisons): the model is packed whole
+        worker_module.pack_cpu_weights = after("packing", worker_module.pack_cpu_weights)
     options = dict(MODES.get(args.mode, {}))
     model = args.mode if args.mode.endswith(".gguf") else str(default_model_dir())
     llm = LLM(model, device="cpu", max_num_seqs=args.batch, **options)
