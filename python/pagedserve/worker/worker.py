@@ -53,7 +53,7 @@ class Worker:
         packing = StreamedPacking(mc.dtype, config.cpu_weight_dtype, config.cpu_precision,
                                   config.quantization) if device.type == "cpu" else None
         self.model = build_model(mc, device, load_format=config.load_format, seed=config.seed, parallel=parallel,
-                                 on_module_loaded=packing and self._packing_as_loaded(packing))
+                                 on_module_loaded=None if packing is None else self._packing_as_loaded(packing))
         packed = packing is not None and packing.finish(self.model)
         if packed and config.cpu_fused_layers:
             fuse_decoder_layers(self.model)
