@@ -73,18 +73,22 @@ struct Layer {
 struct Model {
   std::mt19937 rng{11};
   HostTensor<float> embedding = random_tensor({kVocab, kHidden}, rng, 1.0f);
+  HostTensor<BFloat16> embedding_tiles{{(kVocab + 15) / 16, (kHidden + 31) / 32 * 16, 32}};  // a tied head's
   HostTensor<float> final_norm = random_tensor({kHidden}, rng, 0.2f, 1.0f);
   HostTensor<float> cos_sin{{kMaxPosition, kHeadDim}};
   std::vector<Layer> layers;
 
   Model() {
+    ops::pack_linear_weight(embedding_tiles.view(), embedding.view());
     ops::rope_cos_sin_cache(cos_sin.view(), 10000.0, {});
     for (int64_t l = 0; l < kLayers; ++l) layers.emplace_back(rng);
   }
 
-  std::unique_ptr<DecoderStack> stack() const {
+  // tiles: the embedding rows read from embedding_tiles (a tied LM head's), not the table.
+  std::unique_ptr<DecoderStack> stack(bool tiles = false) const {
     auto stack = std::make_unique<DecoderStack>(DecoderShape{kHidden, kHeads, kKvHeads, kHeadDim, kInter, true},
-                                                embedding.view(), NormWeights{final_norm.view(), kEps});
+                                                tiles ? embedding_tiles.view() : embedding.view(),
+                                                NormWeights{final_norm.view(), kEps}, tiles ? kVocab : -1);
     for (const Layer& layer : layers) {
       DecoderLayerWeights w;
       w.input_norm = {layer.input_norm.view(), kEps};
@@ -229,6 +233,46 @@ TEST(DecoderStack, PrefillThenDecodeMatchFloat64) {
       EXPECT_NEAR(got[t * kHidden + static_cast<size_t>(i)], expected[t][static_cast<size_t>(i)], 2e-4)
           << "token " << t << " dim " << i;
     }
+  }
+}
+
+// Every step through both stacks: a prefill of 5 tokens, then decodes of 1 (the scratch shrinks for them).
+std::vector<float> run_steps(DecoderStack& stack, const std::vector<int32_t>& ids) {
+  HostTensor<float> kv_cache({kLayers, 2, kBlocks, kKvHeads, kBlock, kHeadDim});
+  std::vector<float> got;
+  for (const auto& [first, count] : {std::pair<int64_t, int64_t>{0, 5}, {5, 1}, {6, 1}}) {
+    HostTensor<float> out({count, kHidden});
+    stack.forward(out.view(), Step(ids, first, count).view(), kv_cache.view());
+    got.insert(got.end(), out.data.begin(), out.data.end());
+  }
+  return got;
+}
+
+TEST(DecoderStack, EmbeddingRowsFromTiedHeadTilesAreBitIdentical) {
+  const Model model;
+  const std::vector<int32_t> ids{3, 17, 0, 19, 9, 12, 16};  // rows in the first and the (padded) last tile
+  EXPECT_EQ(run_steps(*model.stack(true), ids), run_steps(*model.stack(false), ids));
+}
+
+TEST(DecoderStack, NamesBadEmbeddingTiles) {
+  const Model model;
+  const NormWeights norm{model.final_norm.view(), kEps};
+  const DecoderShape shape{kHidden, kHeads, kKvHeads, kHeadDim, kInter, true};
+  try {
+    DecoderStack(shape, model.embedding_tiles.view(), norm, kVocab + 16);  // one tile more than there are
+    ADD_FAILURE() << "no error for tiles of another vocabulary";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("pack_linear_weight's layout"), std::string::npos) << e.what();
+  }
+  const auto stack = model.stack(true);
+  HostTensor<float> kv_cache({kLayers, 2, kBlocks, kKvHeads, kBlock, kHeadDim});
+  HostTensor<float> out({1, kHidden});
+  const std::vector<int32_t> ids{kVocab};  // inside the last tile's padding, not a token
+  try {
+    stack->forward(out.view(), Step(ids, 0, 1).view(), kv_cache.view());
+    ADD_FAILURE() << "no error for a token id in the tiles' padding";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("is not a token id in [0, 20)"), std::string::npos) << e.what();
   }
 }
 

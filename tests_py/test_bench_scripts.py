@@ -43,7 +43,8 @@ SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py"
            "perf/scheduler_bench.py", "perf/step_timing.py", "perf/decode_kernels.py", "perf/serve_bench.py", "perf/cpu_ops_bench.py",
            "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py", "perf/moe_bench.py",
            "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py",
-           "perf/gguf_bench.py", "perf/cpu_serving_bench.py", "perf/tp_bench.py", "perf/tp_comm_model.py",
+           "perf/gguf_bench.py", "perf/cpu_serving_bench.py", "perf/cpu_rss_breakdown.py", "perf/tp_bench.py",
+           "perf/tp_comm_model.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/cpu_precision_agreement.py",
            "numerics/sdpa_numerics.py",
            "numerics/norm_numerics.py", "numerics/softmax_numerics.py"]
@@ -177,6 +178,16 @@ def test_cpu_serving_bench_quick(tmp_path):
         if r["mode"] != "pagedserve float32":
             assert r["x_vs_float32"] > 0
     assert all(m["ttft_s"] > 0 and m["peak_rss_mib"] > 0 for m in modes.values())
+
+
+def test_cpu_rss_breakdown_quick(tmp_path):
+    run_script("perf/cpu_rss_breakdown.py", "--quick", "--out", str(tmp_path), timeout=300)
+    data = load(tmp_path, "cpu_rss_breakdown_quick")
+    rows = data["modes"]["bfloat16"]["rows"]
+    assert [r["stage"] for r in rows] == ["imports", "tokenizer", "weights", "packing", "engine ready",
+                                          "batch 4 x 2 tokens"]
+    assert all(0 < r["rss_mib"] <= r["stage_peak_mib"] + 1 and r["stage_peak_mib"] <= r["hwm_mib"] + 1 for r in rows)
+    assert rows[-1]["hwm_mib"] == max(r["hwm_mib"] for r in rows)
 
 
 def test_cpu_op_and_sampler_benches_quick(tmp_path):

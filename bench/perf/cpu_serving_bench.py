@@ -20,6 +20,7 @@ Accuracy (--accuracy): greedy agreement of each pagedserve mode with transformer
 
     PYTHONPATH=python python bench/perf/cpu_serving_bench.py [--rounds 3] [--gguf model-q4_1.gguf] [--accuracy]
     python bench/perf/cpu_serving_bench.py --quick          # CI: batches 1 and 4, 8 tokens, one round
+    python bench/perf/cpu_serving_bench.py --rss            # memory only: batch 64 x 64 tokens, one round
 """
 
 from __future__ import annotations
@@ -247,6 +248,8 @@ def main() -> None:
                                                              "uses every core it may)")
     parser.add_argument("--gguf", default=None, help="a .gguf checkpoint of the model (e.g. Q4_1) for the gguf mode")
     parser.add_argument("--accuracy", action="store_true", help="also greedy agreement with transformers float32")
+    parser.add_argument("--rss", action="store_true", help="memory check: one round of batch 64 x 64 output tokens "
+                                                          "(peak and serving RSS; timings from a single batch)")
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child(json.loads(args.child))), flush=True)
@@ -256,8 +259,9 @@ def main() -> None:
     from pagedserve.models.default_model import default_model_dir
     model = str(default_model_dir())
     shape = dict(batches=[1, 4], output_len=8, ttft_len=64) if args.quick else \
+        dict(batches=[64], output_len=64, ttft_len=512) if args.rss else \
         dict(batches=[1, 4, 16, 64], output_len=64, ttft_len=512)
-    rounds_n = 1 if args.quick else args.rounds
+    rounds_n = 1 if args.quick or args.rss else args.rounds
     found = modes(args.gguf)
     names = list(found)
     rounds = []
@@ -284,7 +288,7 @@ def main() -> None:
         md += ["", "Greedy agreement with transformers float32 (32 prompts x 16 tokens):", "",
                markdown_table(acc, list(acc[0]))]
     print("\n".join(md))
-    name = "cpu_serving" + ("_quick" if args.quick else "")
+    name = "cpu_serving" + ("_quick" if args.quick else "_rss" if args.rss else "")
     path = save(name, {"model": Path(model).name, "device": "cpu", "prompt_len": 24, **shape, "rounds": rounds_n,
                        "rows": rows, "modes": mode_rows, "accuracy": acc, "raw_rounds": rounds},
                 "\n".join(md), args.out)

@@ -25,10 +25,11 @@ using OptionalCapsule = std::optional<py::capsule>;
 class PyDecoderStack {
  public:
   PyDecoderStack(const py::capsule& embedding, const py::capsule& final_norm, float final_eps,
-                 const ops::DecoderShape& shape)
+                 const ops::DecoderShape& shape, int64_t vocab_size)
       : shape_(shape),
         stack_(std::make_unique<ops::DecoderStack>(shape, keep(embedding, "embedding"),
-                                                   ops::NormWeights{keep(final_norm, "final_norm"), final_eps})) {}
+                                                   ops::NormWeights{keep(final_norm, "final_norm"), final_eps},
+                                                   vocab_size)) {}
 
   void add_layer(const py::capsule& input_norm, float input_eps, const py::capsule& qkv, const OptionalCapsule& qkv_bias,
                  const OptionalCapsule& q_norm, const OptionalCapsule& k_norm, float qk_eps,
@@ -116,8 +117,11 @@ void bind_decoder_stack(py::module_& m) {
   py::class_<PyDecoderStack>(m, "DecoderStack",
                              "Every pre-norm gated-MLP decoder layer of a step in one call, bit-identical to the "
                              "per-op path (cpp/ops/decoder_layer.h).")
-      .def(py::init<const py::capsule&, const py::capsule&, float, const ops::DecoderShape&>(), py::arg("embedding"),
-           py::arg("final_norm"), py::arg("final_eps"), py::arg("shape"))
+      .def(py::init<const py::capsule&, const py::capsule&, float, const ops::DecoderShape&, int64_t>(),
+           py::arg("embedding"), py::arg("final_norm"), py::arg("final_eps"), py::arg("shape"),
+           py::arg("vocab_size") = -1,
+           "embedding: the token table [V, H], or a tied LM head's bf16 tiles (pack_linear_weight) with "
+           "vocab_size V under float32 activations.")
       .def("add_layer", &PyDecoderStack::add_layer, py::arg("input_norm"), py::arg("input_eps"), py::arg("qkv"),
            py::arg("qkv_bias"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qk_eps"), py::arg("cos_sin"),
            py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("o"), py::arg("o_bias"),

@@ -9,12 +9,14 @@
 
 #include "ops/op_contracts.h"
 #include "ops/ops.h"
+#include "ops/packed_weight_layout.h"
 
 namespace pagedserve::ops {
 namespace {
 
 constexpr std::string_view kOp = "DecoderStack";
 constexpr size_t kAlign = 64;  // a cache line, as torch's CPU allocator aligns
+constexpr size_t kShrinkFactor = 4;  // the scratch is reallocated for a step needing 1/4 of it or less
 
 size_t round_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
@@ -97,16 +99,30 @@ struct DecoderStack::Scratch {
 
 void DecoderStack::AlignedFree::operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{kAlign}); }
 
-DecoderStack::DecoderStack(const DecoderShape& shape, const TensorView& embedding, const NormWeights& final_norm)
-    : shape_(shape), embedding_(embedding), final_norm_(final_norm), dtype_(final_norm.weight.dtype) {
+DecoderStack::DecoderStack(const DecoderShape& shape, const TensorView& embedding, const NormWeights& final_norm,
+                           int64_t vocab_size)
+    : shape_(shape),
+      embedding_(embedding),
+      packed_embedding_(embedding.ndim == 3),
+      vocab_size_(embedding.ndim == 3 ? vocab_size : embedding.size(0)),
+      final_norm_(final_norm),
+      dtype_(final_norm.weight.dtype) {
   PS_REQUIRE(shape.hidden_size > 0 && shape.num_heads > 0 && shape.num_kv_heads > 0 && shape.head_dim > 0 &&
                  shape.intermediate_size > 0,
              kOp, "every size of the shape must be > 0");
   PS_REQUIRE(shape.num_heads % shape.num_kv_heads == 0, kOp, "num_heads must be a multiple of num_kv_heads");
-  require_float_tensor(kOp, "embedding", embedding, Device::kCPU, 2);
-  require_size(kOp, "embedding", embedding, 1, shape.hidden_size);
   require_float_tensor(kOp, "final_norm", final_norm.weight, Device::kCPU, 1);
   require_vector("final_norm", final_norm.weight, shape.hidden_size, dtype_);
+  if (packed_embedding_) {
+    require_tensor_of(kOp, "embedding", embedding, Device::kCPU, 3, DType::kBFloat16);
+    PS_REQUIRE(dtype_ == DType::kFloat32, kOp, "an embedding in bf16 tiles needs float32 activations");
+    PS_REQUIRE(vocab_size > 0 && embedding.size(0) == packed_col_tiles(vocab_size) &&
+                   embedding.size(1) == packed_k_pairs(shape.hidden_size) && embedding.size(2) == 2 * kPackedCols,
+               kOp, "an embedding in bf16 tiles must be pack_linear_weight's layout of [vocab_size, hidden_size]");
+    return;
+  }
+  require_float_tensor(kOp, "embedding", embedding, Device::kCPU, 2);
+  require_size(kOp, "embedding", embedding, 1, shape.hidden_size);
   // A float32 model may keep a bf16 checkpoint's table as bf16 (layers.Embedding.keep_bf16_if_exact).
   PS_REQUIRE(embedding.dtype == dtype_ || (embedding.dtype == DType::kBFloat16 && dtype_ == DType::kFloat32), kOp,
              "embedding must be in the activations' dtype (the final norm's), or bf16 under float32");
@@ -154,7 +170,7 @@ void DecoderStack::check_forward(const TensorView& out, const DecoderStep& step,
   require_size(kOp, "kv_cache", kv_cache, 3, shape_.num_kv_heads);
   require_size(kOp, "kv_cache", kv_cache, 5, shape_.head_dim);
   const int32_t* ids = step.input_ids.ptr<int32_t>();
-  const int64_t vocab = embedding_.size(0);
+  const int64_t vocab = vocab_size_;
   for (int64_t t = 0; t < tokens; ++t) {
     PS_REQUIRE(ids[t] >= 0 && ids[t] < vocab, kOp,
                "input_ids[" + std::to_string(t) + "] = " + std::to_string(ids[t]) + " is not a token id in [0, " +
@@ -166,13 +182,23 @@ void DecoderStack::check_forward(const TensorView& out, const DecoderStep& step,
 void DecoderStack::embed(const TensorView& residual, const TensorView& input_ids) const {
   const int64_t hidden = shape_.hidden_size;
   const int32_t* ids = input_ids.ptr<int32_t>();
+  const auto widen = [](uint16_t bf16) { return std::bit_cast<float>(static_cast<uint32_t>(bf16) << 16); };
+  if (packed_embedding_) {  // row ids[t] of the tiles: element k at packed_weight_offset (strided pairs)
+    const auto* tiles = static_cast<const uint16_t*>(embedding_.data);
+    auto* rows = static_cast<float*>(residual.data);
+    for (int64_t t = 0; t < input_ids.size(0); ++t) {
+      float* dst = rows + t * hidden;
+      for (int64_t h = 0; h < hidden; ++h) dst[h] = widen(tiles[packed_weight_offset(ids[t], h, hidden)]);
+    }
+    return;
+  }
   if (embedding_.dtype != dtype_) {
     const auto* table = static_cast<const uint16_t*>(embedding_.data);
     auto* rows = static_cast<float*>(residual.data);
     for (int64_t t = 0; t < input_ids.size(0); ++t) {
       const uint16_t* src = table + static_cast<size_t>(ids[t]) * static_cast<size_t>(hidden);
       float* dst = rows + t * hidden;
-      for (int64_t h = 0; h < hidden; ++h) dst[h] = std::bit_cast<float>(static_cast<uint32_t>(src[h]) << 16);
+      for (int64_t h = 0; h < hidden; ++h) dst[h] = widen(src[h]);
     }
     return;
   }
@@ -241,7 +267,10 @@ void DecoderStack::forward(const TensorView& out, const DecoderStep& step, const
                             normed * kv_size, q_size, 2 * shape.intermediate_size, shape.intermediate_size};
   size_t needed = 0;
   for (int64_t width : widths) needed += round_up(static_cast<size_t>(tokens * width * element_size(dtype)));
-  if (needed > buffer_bytes_) {
+  // Grown for a larger step; given back for one that needs a quarter of it or less, so the decode steps
+  // after a long prefill do not keep its activations resident (SmolLM2-135M, 1536 tokens: 45 MiB).
+  if (needed > buffer_bytes_ || (needed > 0 && needed * kShrinkFactor <= buffer_bytes_)) {
+    buffer_.reset();  // freed first: never both at once
     buffer_.reset(static_cast<std::byte*>(::operator new[](needed, std::align_val_t{kAlign})));
     buffer_bytes_ = needed;
   }

@@ -93,7 +93,11 @@ class DecoderStack {
  public:
   // embedding [V, H]: the token table; final_norm [H], whose dtype is the activations' (the table's, or
   // bf16 under float32 activations: a bf16 checkpoint's table kept narrow, widened exactly on lookup).
-  DecoderStack(const DecoderShape& shape, const TensorView& embedding, const NormWeights& final_norm);
+  // Under float32 activations the table may also be a tied LM head's bf16 tiles (packed_weight_layout.h:
+  // [ceil(V / 16), K_pad / 2, 32]), so a bf16 checkpoint's table is held once, not twice; its rows are
+  // gathered from the tiles, the same values. vocab_size: V, required for tiles (their rows are padded).
+  DecoderStack(const DecoderShape& shape, const TensorView& embedding, const NormWeights& final_norm,
+               int64_t vocab_size = -1);
 
   // Appends the next layer; throws std::invalid_argument naming the weight when a shape or dtype
   // disagrees with the stack's.
@@ -116,6 +120,8 @@ class DecoderStack {
 
   DecoderShape shape_;
   TensorView embedding_;
+  bool packed_embedding_ = false;  // embedding_ holds bf16 tiles, not a [V, H] table
+  int64_t vocab_size_ = 0;
   NormWeights final_norm_;
   DType dtype_;  // the activations'
   std::vector<DecoderLayerWeights> layers_;

@@ -17,7 +17,7 @@ from pagedserve.models.moe_models import MixtralForCausalLM, Qwen2MoeForCausalLM
 from pagedserve.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.models.phi import PhiForCausalLM
 from pagedserve.models.phi3 import Phi3ForCausalLM
-from pagedserve.models.weights import load_weights
+from pagedserve.models.weights import ModuleLoaded, load_weights
 
 # HF architecture -> the module that runs it (its config reading: families.SUPPORTED_ARCHITECTURES).
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -47,16 +47,18 @@ def model_class(architecture: str) -> type[nn.Module]:
 
 
 def build_model(model_config: ModelConfig, device: Union[str, torch.device, None] = None,
-                load_format: str = "auto", seed: int = 0, parallel: ParallelContext = SINGLE) -> nn.Module:
+                load_format: str = "auto", seed: int = 0, parallel: ParallelContext = SINGLE,
+                on_module_loaded: Optional[ModuleLoaded] = None) -> nn.Module:
     """Allocates the model on ``device`` (default: the config's) in the config's dtype and fills its weights.
 
     load_format: "auto" / "safetensors" / "pt" read ``model_config.model_dir``; "dummy" draws seeded random weights.
     parallel: a tensor-parallel rank's context: the model holds, and reads from the checkpoint, its shard only.
+    on_module_loaded: called as each module's parameters are filled from a checkpoint (weights.py).
     """
     target: Optional[torch.device] = torch.device(device) if device is not None else model_config.device
     cls = model_class(model_config.architecture)
     model = cls(model_config, target, parallel) if parallel.is_parallel else cls(model_config, target)
-    load_weights(model, model_config.model_dir, load_format=load_format, seed=seed)
+    load_weights(model, model_config.model_dir, load_format=load_format, seed=seed, on_module_loaded=on_module_loaded)
     return model.eval()
 
 

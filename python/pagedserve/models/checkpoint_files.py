@@ -3,8 +3,10 @@
 Formats, each single-file or sharded behind an index (``weight_map``):
   safetensors  ``model.safetensors`` / ``model.safetensors.index.json`` (or any ``*.safetensors``)
   pt           ``pytorch_model.bin`` / ``pytorch_model.bin.index.json`` (or any ``*.bin`` / ``*.pt``)
-"auto" prefers safetensors when a directory holds both. PyTorch files are read
-with ``torch.load(weights_only=True, mmap=True)``: no code runs, and tensors stay
+"auto" prefers safetensors when a directory holds both. Safetensors files are read
+a tensor at a time with plain reads (safetensors_file.py: a memory map would keep
+every page read resident until the end of loading). PyTorch files are read with
+``torch.load(weights_only=True, mmap=True)``: no code runs, and tensors stay
 memory-mapped until the loader copies them into the model's parameters.
 """
 
@@ -16,7 +18,8 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import torch
-from safetensors import safe_open
+
+from pagedserve.models.safetensors_file import SafetensorsFile
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -69,7 +72,7 @@ class CheckpointReader:
         self._source_by_name: dict[str, object] = {}
         for path in self.files:
             if path.suffix == ".safetensors":
-                handle = self._stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+                handle = self._stack.enter_context(SafetensorsFile(path))
                 self._source_by_name.update(dict.fromkeys(handle.keys(), handle))
             else:
                 self._source_by_name.update(_load_pickled_state_dict(path))
@@ -100,13 +103,13 @@ class CheckpointReader:
                                      f"searched: {searched} in {str(self.files[0].parent)!r}")
         if part is None:
             return source if isinstance(source, torch.Tensor) else source.get_tensor(name)  # type: ignore
-        whole = source if isinstance(source, torch.Tensor) else source.get_slice(name)  # type: ignore
-        shape = list(whole.shape) if isinstance(whole, torch.Tensor) else whole.get_shape()
+        shape = list(source.shape) if isinstance(source, torch.Tensor) else source.shape(name)  # type: ignore
         if len(shape) <= part.dim or shape[part.dim] != part.full:
             raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, expected {part.full} along dimension "
                              f"{part.dim} (does config.json match the weights?)")
-        index = (slice(None),) * part.dim + (slice(part.start, part.start + part.length),)
-        return whole[index]
+        if isinstance(source, torch.Tensor):
+            return source[(slice(None),) * part.dim + (slice(part.start, part.start + part.length),)]
+        return source.get_part(name, part.dim, part.start, part.length)  # type: ignore
 
 
 def read_weight_map(index_path: Path) -> dict[str, str]:

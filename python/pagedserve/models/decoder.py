@@ -29,7 +29,7 @@ from pagedserve import ops
 from pagedserve.distributed.context import SINGLE, ParallelContext
 from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.models.families import SLIDING
-from pagedserve.models.layers import (LayerNorm, Linear, PagedAttention, RMSNorm, RotaryEmbedding,
+from pagedserve.models.layers import (Embedding, LayerNorm, Linear, PagedAttention, RMSNorm, RotaryEmbedding,
                                       activation, activation_and_mul)
 from pagedserve.models.linear_kernels import LinearKernel, PackedBf16
 from pagedserve.models.model_config import ModelConfig
@@ -290,12 +290,17 @@ class DecoderForCausalLM(nn.Module):
 
     def use_lm_head_kernel(self, kernel: LinearKernel) -> None:
         """Computes logits through the kernel, which holds its own copy of the weight. A tied embedding table
-        then serves lookups only, so it is kept as bf16 where that is exact (a bf16 checkpoint)."""
+        then serves lookups only: where it holds only bf16 values (a bf16 checkpoint) they are read from the
+        head's bf16 tiles, or, under other kernels, kept as a bf16 table."""
         self.lm_head_kernel = kernel
         if self.lm_head is not None:
             self.lm_head.weight = None
-        if self.model.embed_tokens.weight is not None:
-            self.model.embed_tokens.keep_bf16_if_exact()
+        table = self.model.embed_tokens
+        if table.weight is None:
+            return
+        tied_tiles = self.lm_head is None and isinstance(kernel, PackedBf16) and type(table) is Embedding
+        if not (tied_tiles and table.read_from_tiles(kernel.packed)):
+            table.keep_bf16_if_exact()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,

@@ -25,7 +25,7 @@ from pagedserve import _core
 from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.models.decoder import MLP, Attention, DecoderLayer, DecoderModel
 from pagedserve.models.layers import Embedding, Linear, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul
-from pagedserve.models.linear_kernels import PackedBf16, PackedBf16Activations
+from pagedserve.models.linear_kernels import PackedBf16, PackedBf16Activations, PackedBf16Rows
 
 logger = logging.getLogger("pagedserve")
 
@@ -40,15 +40,16 @@ class FusedDecoderStack:
 
     def __init__(self, model: DecoderModel):
         first = model.layers[0].self_attn
-        self.hidden_size = model.embed_tokens.weight.shape[1]
+        self.hidden_size = model.norm.weight.shape[0]
         self.dtype = model.norm.weight.dtype  # the activations' (the table may be bf16 under float32)
         self.rotary: Optional[RotaryEmbedding] = next(
             (layer.self_attn.rotary for layer in model.layers if layer.self_attn.rotary is not None), None)
         intermediate_size = model.layers[0].mlp.gate_up_proj.out_features // 2
         shape = _core.ops.DecoderShape(self.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                                        intermediate_size, first.qk_norm_per_head)
-        self.stack = _core.ops.DecoderStack(_dl(model.embed_tokens.weight), _dl(model.norm.weight),
-                                            model.norm.eps, shape)
+        rows = model.embed_tokens.lookup  # a tied LM head's tiles (PackedBf16Rows), or None: the table
+        table, vocab_size = (rows.packed, rows.num_rows) if rows is not None else (model.embed_tokens.weight, -1)
+        self.stack = _core.ops.DecoderStack(_dl(table), _dl(model.norm.weight), model.norm.eps, shape, vocab_size)
         for layer in model.layers:
             self._add_layer(layer)
 
@@ -87,9 +88,10 @@ def _optional(tensor: Optional[torch.Tensor]):
 
 def unfusable_reason(model: DecoderModel) -> Optional[str]:
     """Why model's layers must keep the per-op path, or None when the stack can run them."""
-    if model.embed_tokens.weight is None:
+    lookup = model.embed_tokens.lookup
+    if lookup is not None and not isinstance(lookup, PackedBf16Rows):
         return "the embedding table is kept in another format (GGUF blocks)"
-    if model.embed_tokens.weight.device.type != "cpu":
+    if (lookup.packed if lookup is not None else model.embed_tokens.weight).device.type != "cpu":
         return "the model is not on the CPU"
     if type(model.embed_tokens) is not Embedding:  # e.g. a vocab-parallel shard, whose lookup all-reduces
         return f"the embedding is a {type(model.embed_tokens).__name__}"

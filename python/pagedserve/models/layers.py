@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedserve import ops
 from pagedserve.models.attention_metadata import AttentionMetadata
-from pagedserve.models.linear_kernels import LinearKernel, PackedBf16
+from pagedserve.models.linear_kernels import LinearKernel, PackedBf16, PackedBf16Rows
 from pagedserve.models.rope import is_long_rope, rope_table
 
 
@@ -83,6 +83,9 @@ class Linear(nn.Module):
         return small_batch_product(x, self.weight, self.bias, gated=True)
 
 
+_ROWS_PER_CHECK = 4096  # keep_bf16_if_exact: 9 MiB of float32 rows at a time for a 576-wide table
+
+
 class Embedding(nn.Module):
     """Rows of the table in the model's dtype. The table may be kept narrower (keep_bf16_if_exact:
     a bf16 checkpoint under a float32 model, 108 MiB less for SmolLM2's 49152 x 576); its rows
@@ -105,10 +108,29 @@ class Embedding(nn.Module):
         if self.weight.dtype != torch.float32:
             return False
         narrow = self.weight.to(torch.bfloat16)
-        if not torch.equal(narrow.to(torch.float32), self.weight):
-            return False
+        # Compared a block of rows at a time: widening the whole table at once would cost its float32 size again.
+        for start in range(0, narrow.shape[0], _ROWS_PER_CHECK):
+            rows = slice(start, start + _ROWS_PER_CHECK)
+            if not torch.equal(narrow[rows].to(torch.float32), self.weight[rows]):
+                return False
         self.weight = nn.Parameter(narrow, requires_grad=False)
         return True
+
+    def read_from_tiles(self, packed: torch.Tensor) -> bool:
+        """Drops the table and gathers rows from ``packed``, the bf16 tiles of this very table (a tied LM
+        head's), where that is exact: a float32 model whose table holds only bf16 values (the tiles then
+        hold the same values; SmolLM2-135M: 54 MiB held once instead of twice). Returns whether it did."""
+        if self.weight is None or self.dtype != torch.float32 or self.weight.device.type != "cpu":
+            return False
+        if self.weight.dtype != torch.bfloat16 and not self.keep_bf16_if_exact():
+            return False
+        self.use_lookup(PackedBf16Rows(packed, *self.weight.shape))
+        return True
+
+    def widen(self) -> None:
+        """Back to the model's dtype after keep_bf16_if_exact (exact), for a caller that reads it as a matrix."""
+        if self.weight is not None and self.weight.dtype != self.dtype:
+            self.weight = nn.Parameter(self.weight.to(self.dtype), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.lookup is not None:

@@ -54,4 +54,20 @@ class PackedBf16Activations(PackedBf16):
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-__all__ = ["LinearKernel", "PackedBf16", "PackedBf16Activations"]
+class PackedBf16Rows:
+    """Rows of a matrix [N, K] gathered back from its bf16 tiles, widened to float32: a tied LM head's
+    tiles serve the embedding lookups too, so a bf16 checkpoint's table is held once (layers.Embedding.
+    read_from_tiles). Layout (cpp/ops/packed_weight_layout.h): packed[t, p, 2c + i] = W[16t + c, 2p + i]."""
+
+    def __init__(self, packed: torch.Tensor, num_rows: int, row_size: int):
+        self.packed, self.num_rows, self.row_size = packed, num_rows, row_size
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        tiles, pairs = self.packed.shape[0], self.packed.shape[1]
+        flat = ids.reshape(-1).long()
+        rows = self.packed.view(tiles, pairs, 16, 2)[flat // 16, :, flat % 16, :]  # [M, pairs, 2]
+        out = rows.reshape(flat.shape[0], 2 * pairs)[:, :self.row_size].to(torch.float32)
+        return out.reshape(*ids.shape, self.row_size)
+
+
+__all__ = ["LinearKernel", "PackedBf16", "PackedBf16Activations", "PackedBf16Rows"]

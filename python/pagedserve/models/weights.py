@@ -11,17 +11,21 @@ e.g. Mixtral's ``.mlp.`` -> ``.block_sparse_moe.``), and a module may fill its o
 parameters with a ``load_parameter(leaf, param, module_path, source)`` method
 (the MoE experts, stored per expert or as 3D tensors).
 
-Tensors are read lazily from memory-mapped files (checkpoint_files.py) and
-cast/copied straight into the preallocated parameters on the target device, so
-peak host memory stays at about one tensor; any checkpoint dtype (fp32, bf16,
-fp16) becomes the engine's dtype in that copy.
+Tensors are read one at a time (checkpoint_files.py) and cast/copied straight
+into the preallocated parameters on the target device, so the checkpoint adds
+about one tensor to peak host memory; any checkpoint dtype (fp32, bf16, fp16)
+becomes the engine's dtype in that copy. ``on_module_loaded(model, module)``, when
+given, is called as soon as a module's own parameters are all filled, so a CPU
+engine can put each linear into its kernel's format (cpu_weight_packing.py:
+StreamedPacking) before the next is read: the parameters are allocated
+untouched, and only those filled and not yet packed take memory.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -40,12 +44,16 @@ _LAYER_TENSOR = re.compile(r"^model\.layers\.\d+\.")
 
 DUMMY_INIT_STD = 0.02  # small enough that activations stay finite through every layer in bf16
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+# Called with (model, module) once the module's own parameters hold the checkpoint's values.
+ModuleLoaded = Callable[[nn.Module, nn.Module], None]
 
 
-def load_weights(model: nn.Module, model_dir: Optional[Path], load_format: str = "auto", seed: int = 0) -> None:
+def load_weights(model: nn.Module, model_dir: Optional[Path], load_format: str = "auto", seed: int = 0,
+                 on_module_loaded: Optional[ModuleLoaded] = None) -> None:
     """Fills ``model``'s parameters: "auto"/"safetensors"/"pt" from ``model_dir``, "dummy" with seeded random values.
 
     "auto" reads safetensors when the directory has them, else PyTorch ``.bin``/``.pt`` files.
+    on_module_loaded: see the module docstring (checkpoints only; dummy and GGUF weights are filled whole).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; use one of {', '.join(LOAD_FORMATS)}")
@@ -59,7 +67,7 @@ def load_weights(model: nn.Module, model_dir: Optional[Path], load_format: str =
         if gguf_path is not None:  # a .gguf model: its blocks, not a checkpoint (gguf_weights.py)
             load_gguf_weights(model, gguf_path)
             return
-        load_checkpoint_weights(model, Path(model_dir), load_format)
+        load_checkpoint_weights(model, Path(model_dir), load_format, on_module_loaded)
 
 
 class TensorSource:
@@ -89,19 +97,31 @@ class TensorSource:
             self.used.add(actual)
 
 
-def load_checkpoint_weights(model: nn.Module, model_dir: Path, load_format: str = "auto") -> None:
+def load_checkpoint_weights(model: nn.Module, model_dir: Path, load_format: str = "auto",
+                            on_module_loaded: Optional[ModuleLoaded] = None) -> None:
     """Copies every parameter of ``model`` from the checkpoint in ``model_dir`` (safetensors or PyTorch files)."""
     packed = dict(getattr(model, "packed_modules", {}))
     modules = dict(model.named_modules())
+    loading: Optional[str] = None  # the module whose parameters are being filled
     with CheckpointReader(checkpoint_files(model_dir, load_format)) as reader:
         source = TensorSource(reader, getattr(model, "checkpoint_aliases", {}))
-        for param_name, param in model.named_parameters():
+        # named_parameters yields each module's own parameters one after another, so a module is complete
+        # when the next parameter belongs to another. Names only: the generator's memo of parameters would
+        # keep every float32 weight alive after its module has been packed.
+        for param_name in [name for name, _ in model.named_parameters()]:
             module_path, _, leaf = param_name.rpartition(".")
+            param = getattr(modules[module_path], leaf)
+            if on_module_loaded is not None and loading is not None and module_path != loading:
+                on_module_loaded(model, modules[loading])
+            loading = module_path
             custom = getattr(modules[module_path], "load_parameter", None)
             if custom is not None:
                 custom(leaf, param, module_path, source)
             else:
                 _load_parameter(model, param_name, param, packed, source, getattr(modules[module_path], "shard", None))
+            del param
+        if on_module_loaded is not None and loading is not None:
+            on_module_loaded(model, modules[loading])
         _reject_unsupported_leftovers(reader.names() - source.used, type(model).__name__)
 
 
@@ -201,6 +221,7 @@ def _indicates_unsupported_feature(name: str) -> bool:
     return name.endswith(_QUANTIZED_SUFFIXES) or bool(_LAYER_TENSOR.match(name))
 
 
-__all__ = ["INDEX_FILE", "LOAD_FORMATS", "SINGLE_FILE", "CheckpointReader", "MissingTensorError", "TensorSource",
+__all__ = ["INDEX_FILE", "LOAD_FORMATS", "SINGLE_FILE", "CheckpointReader", "MissingTensorError", "ModuleLoaded",
+           "TensorSource",
            "checkpoint_files", "checkpoint_tensor_names", "init_dummy_weights", "load_checkpoint_weights",
            "load_weights", "require_shape"]

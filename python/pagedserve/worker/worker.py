@@ -1,6 +1,6 @@
 """Worker: what lives on the model's device, built once and whole.
 
-The model (weights loaded, packed for the CPU where that is lossless), the
+The model (weights loaded, packed for the CPU as they load), the
 sampler, the KV cache sized by a KVPlan, and the ModelRunner that executes
 steps over them. The engine reads `kv_plan` to size its scheduler; it never
 reaches further in than `execute_async`.
@@ -23,11 +23,12 @@ from pagedserve import ops
 from pagedserve.distributed.context import SINGLE, ParallelContext
 from pagedserve.engine_config import EngineConfig
 from pagedserve.models import build_model
-from pagedserve.models.cpu_weight_packing import pack_cpu_weights
+from pagedserve.models.cpu_weight_packing import StreamedPacking
 from pagedserve.models.fused_layers import fuse_decoder_layers
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.models.parallel_layers import HeadLayout
 from pagedserve.sample.sampler import PendingSamples, Sampler
+from pagedserve.worker.heap_trim import HeapTrimmer
 from pagedserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype
 from pagedserve.worker.memory_budget import KVPlan, kv_cache_budget_bytes, plan_kv_cache
 from pagedserve.worker.model_runner import ModelRunner
@@ -48,9 +49,12 @@ class Worker:
         self.parallel = parallel
         self.num_kv_heads = HeadLayout.of(mc.num_heads, mc.num_kv_heads, parallel).num_kv_heads  # this rank's
         baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        self.model = build_model(mc, device, load_format=config.load_format, seed=config.seed, parallel=parallel)
-        packed = device.type == "cpu" and pack_cpu_weights(self.model, config.cpu_weight_dtype,
-                                                           config.cpu_precision, config.quantization)
+        # On a CPU each linear goes into its kernel as soon as it is loaded: the float32 model never exists whole.
+        packing = StreamedPacking(mc.dtype, config.cpu_weight_dtype, config.cpu_precision,
+                                  config.quantization) if device.type == "cpu" else None
+        self.model = build_model(mc, device, load_format=config.load_format, seed=config.seed, parallel=parallel,
+                                 on_module_loaded=None if packing is None else self._packing_as_loaded(packing))
+        packed = packing is not None and packing.finish(self.model)
         if packed and config.cpu_fused_layers:
             fuse_decoder_layers(self.model)
         self.sampler = Sampler(device, mc.vocab_size, eos_token_ids, seed=config.seed)
@@ -80,6 +84,17 @@ class Worker:
                     mc.model_dir.name if mc.model_dir else mc.architecture, device, mc.dtype, plan.num_blocks,
                     plan.block_size, kv_cache.numel() * kv_cache.element_size() / 2**30, plan.dtype,
                     plan.max_model_len)
+
+    @staticmethod
+    def _packing_as_loaded(packing: StreamedPacking):
+        """The loader's hook: each module packed, then the heap trimmed, since the float32 weight it freed
+        sits in the middle of the heap, where glibc keeps it resident (SmolLM2-135M: ~80 MiB by the end)."""
+        heap = HeapTrimmer()
+
+        def loaded(model, module) -> None:
+            packing(model, module)
+            heap.trim()
+        return loaded
 
     def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> PendingSamples:
         return self.runner.execute_async(step, rows, grammar, prompt_plan)
