@@ -29,6 +29,7 @@ struct PagedAttentionParams {
   // Options (cpp/ops/attention_options.h), read by every kernel.
   int window_span;  // the sliding window W, or INT_MAX for none: key k is hidden from query q when q - k >= span
   float softcap;    // 0: none
+  bool fixed_split;  // the decode split depends on the row's context only (AttentionOptions::fixed_split)
 };
 
 // Split-K plan of the decode kernel: each decode row's context is cut into

@@ -10,7 +10,9 @@
 // holds the extra partials. Everything the plan reads is fixed for a captured
 // CUDA graph: host bounds, the workspace size and the SM count. A sliding
 // window W bounds each decode row's context by W, so the plan (and the grid)
-// sizes from min(max_seq_len, W).
+// sizes from min(max_seq_len, W). options.fixed_split keeps 512-token
+// partitions whatever the batch: a row's partials, and so its result, then
+// depend on its own context alone (empty partitions weigh exactly 0).
 #include <climits>
 #include <type_traits>
 
@@ -51,7 +53,7 @@ int plan_partition_tokens(const PagedAttentionParams& p, int head_dim, size_t wo
       static_cast<int64_t>(p.num_decodes) * p.num_kv_heads * ceil_div(group_size, decode::kHeadsPerCta);
   const int64_t target_ctas = 2 * static_cast<int64_t>(multiprocessor_count(device));
   int partition_tokens = decode::kMaxPartitionTokens;
-  while (partition_tokens > decode::kMinPartitionTokens) {
+  while (!p.fixed_split && partition_tokens > decode::kMinPartitionTokens) {
     if (ctas_per_partition * ceil_div(context, partition_tokens) >= target_ctas) break;
     const int finer = ceil_div(context, partition_tokens / 2);
     if (finer > 1 && split_bytes(p.num_decodes, p.num_heads, head_dim, finer) > workspace_bytes) break;
@@ -160,6 +162,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   params.num_decodes = num_decodes;
   params.window_span = options.window > 0 ? options.window : INT_MAX;
   params.softcap = options.softcap;
+  params.fixed_split = options.fixed_split;
 
   DeviceGuard guard(query.device_index);
   dispatch_attention(query.dtype, shape.head_dim, shape.block_size, kOp,

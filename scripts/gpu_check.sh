@@ -65,7 +65,8 @@ for stage in "${STAGES[@]}"; do
     kernels)
       run_stage kernels python3 bench/perf/kernel_bench.py --out "$RUN" ;;
     engine)
-      run_stage engine python3 -m pytest tests_py/test_gpu_engine.py -q -p no:cacheprovider -s ;;
+      run_stage engine python3 -m pytest tests_py/test_gpu_engine.py tests_py/test_gpu_batch_invariance.py -q \
+        -p no:cacheprovider -s ;;
     families)  # every model family and rope type on random weights: float32 = the CPU path, bf16 vs transformers
       run_stage families python3 -m pytest tests_py/test_gpu_families.py -q -p no:cacheprovider ;;
     structured)  # grammar masks on the device, tools and structured outputs through the server on the GPU
@@ -87,7 +88,9 @@ for stage in "${STAGES[@]}"; do
     timing)
       run_stage step_timing python3 bench/perf/step_timing.py --shape tinyllama-1.1b --batch 1 64 256 --out "$RUN"
       run_stage step_timing_smol python3 bench/perf/step_timing.py --shape default --batch 64 --out "$RUN"
-      run_stage decode_kernels python3 bench/perf/decode_kernels.py --shape tinyllama-1.1b --batch 1 64 --label "${KERNELS_LABEL:-}" --out "$RUN" ;;
+      run_stage decode_kernels python3 bench/perf/decode_kernels.py --shape tinyllama-1.1b --batch 1 64 --label "${KERNELS_LABEL:-}" --out "$RUN"
+      run_stage decode_kernels_invariant python3 bench/perf/decode_kernels.py --shape tinyllama-1.1b --batch 1 64 \
+        --label batch_invariant --option batch_invariant=true --out "$RUN" ;;
     demos)
       run_stage demos python3 bench/demos/demos.py all --device cuda --out "$RUN" ;;
     serve)

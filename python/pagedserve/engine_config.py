@@ -52,6 +52,9 @@ class EngineConfig:
                                                       "on CUDA what gpu_memory_utilization leaves)", metavar="GIB")
     num_kv_blocks: Optional[int] = _knob(None, "force the number of KV cache blocks (tests, preemption demos)")
     enforce_eager: bool = _knob(False, "CUDA: run every step eagerly, capturing no CUDA graphs")
+    batch_invariant: bool = _knob(False, "CUDA: a request's tokens and logprobs bit-identical whatever else runs in "
+                                         "its batch (matrix products in fixed 128-row slices, a fixed decode split; "
+                                         "models/batch_invariant.py). The CPU always is")
     cpu_fused_layers: bool = _knob(True, "CPU, packed weights: run every decoder layer of a step as one C++ call "
                                          "(the same ops, bit-identical results, less Python per step)")
     cpu_weight_dtype: str = _knob("auto", "CPU, float32 models: store linear weights as bf16 tiles (auto: when that "

@@ -264,7 +264,7 @@ def activation_and_mul(name: str) -> nn.Module:
 def _attention_features() -> frozenset[str]:
     """The optional keyword features (window, softcap) ops.paged_attention takes in this build."""
     parameters = inspect.signature(ops.paged_attention).parameters
-    return frozenset(name for name in ("window", "softcap") if name in parameters)
+    return frozenset(name for name in ("window", "softcap", "fixed_split") if name in parameters)
 
 
 class PagedAttention(nn.Module):
@@ -298,6 +298,12 @@ class PagedAttention(nn.Module):
         """query [T, Hq, D], key/value [T, Hkv, D], layer_kv_cache [2, N, Hkv, B, D] -> [T, Hq, D]."""
         ops.reshape_and_cache(key, value, layer_kv_cache[0], layer_kv_cache[1], attn.slot_mapping)
         return self.attend(query, layer_kv_cache, attn)
+
+    def use_fixed_split(self) -> None:
+        """Decode rows split their context by the context alone (batch-invariant results, batch_invariant.py)."""
+        if "fixed_split" not in _attention_features():
+            raise ValueError("this build's paged_attention op has no fixed_split: rebuild pagedserve")
+        self.extra["fixed_split"] = True
 
     def attend(self, query: torch.Tensor, layer_kv_cache: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
         """Attention of query [T, Hq, D] over the cache, this step's keys and values already in it."""

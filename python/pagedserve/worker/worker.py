@@ -23,6 +23,7 @@ from pagedserve import ops
 from pagedserve.distributed.context import SINGLE, ParallelContext
 from pagedserve.engine_config import EngineConfig
 from pagedserve.models import build_model
+from pagedserve.models.batch_invariant import make_batch_invariant
 from pagedserve.models.cpu_weight_packing import StreamedPacking
 from pagedserve.models.fused_layers import fuse_decoder_layers
 from pagedserve.models.model_config import ModelConfig
@@ -57,6 +58,8 @@ class Worker:
         packed = packing is not None and packing.finish(self.model)
         if packed and config.cpu_fused_layers:
             fuse_decoder_layers(self.model)
+        if config.batch_invariant and device.type == "cuda":
+            make_batch_invariant(self.model)
         self.sampler = Sampler(device, mc.vocab_size, eos_token_ids, seed=config.seed)
         self._workspace = ops.paged_attention_workspace(config.max_num_seqs, mc.num_heads, mc.head_dim,
                                                         config.max_model_len, device)
