@@ -55,7 +55,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int /*max_query_len*/, int /*max_seq_len*/,
                      int /*num_decodes*/, const std::optional<TensorView>& /*workspace*/, int window, float softcap,
-                     bool fixed_split, HostStream) {
+                     HostStream, bool fixed_split) {
   ops::paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                        {window, softcap, fixed_split});
 }
@@ -100,8 +100,8 @@ void bind_ops(py::module_& m) {
                    py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
                    py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
                    py::arg("max_query_len") = 0, py::arg("max_seq_len") = 0, py::arg("num_decodes") = 0,
-                   py::arg("workspace") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0f,
-                   py::arg("fixed_split") = false, stream);
+                   py::arg("workspace") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0f, stream,
+                   py::arg("fixed_split") = false);
   def_op<kRelease>(m, "grouped_linear", &OnHost<&ops::grouped_linear>::call,
                    "Mixture-of-experts products: out[r] = x[r] weight[e]^T for the rows [expert_offsets[e], "
                    "expert_offsets[e + 1]) of each expert e (cpp/ops/grouped_linear.h).",

@@ -33,8 +33,8 @@ using ops::TensorView;
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
-                     const std::optional<TensorView>& workspace, int window, float softcap, bool fixed_split,
-                     cudaStream_t stream) {
+                     const std::optional<TensorView>& workspace, int window, float softcap, cudaStream_t stream,
+                     bool fixed_split) {
   cuda::paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                         max_query_len, max_seq_len, num_decodes, workspace.value_or(TensorView{}),
                         {window, softcap, fixed_split},
@@ -79,8 +79,8 @@ void bind_cuda_ops(py::module_& m) {
                 py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
                 py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
                 py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("num_decodes"),
-                py::arg("workspace").none(true), py::arg("window"), py::arg("softcap"),
-                py::arg("fixed_split"), stream);
+                py::arg("workspace").none(true), py::arg("window"), py::arg("softcap"), stream,
+                py::arg("fixed_split") = false);
   def_op<kHold>(m, "qkv_rope_cache", &cuda::qkv_rope_cache,
                 "query_out = rotated q columns of qkv; rotated k and v written into their cache slots (one pass).",
                 py::arg("query_out"), py::arg("qkv"), py::arg("positions"), py::arg("cos_sin_cache"), py::arg("key_cache"),

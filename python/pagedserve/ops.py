@@ -166,8 +166,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     kernels, stream = _backend(query)
     kernels.paged_attention(_dl(out), _dl(query), _dl(key_cache), _dl(value_cache), _dl(block_tables),
                             _dl(query_start_loc), _dl(seq_lens), scale, max_query_len, max_seq_len, num_decodes,
-                            None if workspace is None else _dl(workspace), int(window), float(softcap),
-                            bool(fixed_split), stream)
+                            None if workspace is None else _dl(workspace), int(window), float(softcap), stream,
+                            fixed_split=bool(fixed_split))
 
 
 def paged_attention_workspace(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int,
