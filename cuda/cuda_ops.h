@@ -30,12 +30,17 @@ namespace pagedserve::cuda {
 using ops::TensorView;
 
 // out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight.   x, out: [T, H]; weight: [H].
-void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps, cudaStream_t stream);
+// A row is summed in the order torch's reduction would use for this many rows
+// (bit-identical to transformers), which depends on T; fixed_order: in an
+// order fixed by H alone, so a row's result does not depend on the batch
+// (--batch-invariant).
+void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps, bool fixed_order,
+              cudaStream_t stream);
 
 // In place, one kernel: residual += x; x = rms_norm(residual) * weight.
 // The norm reads the updated residual as stored (rounded to the dtype).
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight, float eps,
-                        cudaStream_t stream);
+                        bool fixed_order, cudaStream_t stream);
 
 // In place half rotation of the first R dims of every query and key head.
 // positions: [T] int32; query: [T, Hq, D]; key: [T, Hkv, D]; cos_sin: [max_position, R] float32.

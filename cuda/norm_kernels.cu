@@ -202,7 +202,7 @@ int next_pow2(int n) {
 
 template <bool kAddResidual>
 void launch_rms_norm(const char* op, void* out, const TensorView& in, void* residual, const TensorView& weight,
-                     float eps, cudaStream_t stream) {
+                     float eps, bool fixed_order, cudaStream_t stream) {
   const int rows = checked_int(op, "rows", in.size(0));
   const int hidden = checked_int(op, "hidden size", in.size(1));
   if (rows == 0 || hidden == 0) return;
@@ -210,7 +210,7 @@ void launch_rms_norm(const char* op, void* out, const TensorView& in, void* resi
   const size_t order_smem = static_cast<size_t>(hidden + std::max(order.width, 1)) * sizeof(float);
   const bool aligned16 = is_aligned16(out) && is_aligned16(in.data) && is_aligned16(weight.data) &&
                          (residual == nullptr || is_aligned16(residual));  // the kernel loads 4-element vectors
-  if (order.width > 0 && order_smem <= 48 * 1024 && aligned16) {
+  if (!fixed_order && order.width > 0 && order_smem <= 48 * 1024 && aligned16) {
     dispatch_float(in.dtype, op, [&]<typename T>() {
       rms_norm_torch_order_kernel<T, kAddResidual><<<rows, std::max(order.width, 128), order_smem, stream>>>(
           static_cast<T*>(out), in.ptr<const T>(), static_cast<T*>(residual), weight.ptr<const T>(), eps, hidden,
@@ -248,19 +248,20 @@ void launch_rms_norm(const char* op, void* out, const TensorView& in, void* resi
 
 }  // namespace
 
-void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps, cudaStream_t stream) {
+void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps, bool fixed_order,
+              cudaStream_t stream) {
   constexpr const char* kOp = "rms_norm";
   ops::check_rms_norm(ops::Device::kCUDA, out, x, weight);
   DeviceGuard guard(x.device_index);
-  launch_rms_norm<false>(kOp, out.data, x, nullptr, weight, eps, stream);
+  launch_rms_norm<false>(kOp, out.data, x, nullptr, weight, eps, fixed_order, stream);
 }
 
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight, float eps,
-                        cudaStream_t stream) {
+                        bool fixed_order, cudaStream_t stream) {
   constexpr const char* kOp = "fused_add_rms_norm";
   ops::check_fused_add_rms_norm(ops::Device::kCUDA, x, residual, weight);
   DeviceGuard guard(x.device_index);
-  launch_rms_norm<true>(kOp, x.data, x, residual.data, weight, eps, stream);
+  launch_rms_norm<true>(kOp, x.data, x, residual.data, weight, eps, fixed_order, stream);
 }
 
 }  // namespace pagedserve::cuda

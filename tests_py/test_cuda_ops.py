@@ -50,7 +50,7 @@ def _args(args):
 def cuda_op(name, *args, stream=None):
     """Runs pagedserve._core.cuda_ops.<name> on `stream` (default: the current one)."""
     stream = stream if stream is not None else torch.cuda.current_stream()
-    getattr(_core.cuda_ops, name)(*_args(args), stream.cuda_stream)
+    getattr(_core.cuda_ops, name)(*_args(args), stream=stream.cuda_stream)
 
 
 def cpu_op(name, *args):

@@ -312,10 +312,10 @@ def test_cpu_ops_take_the_trailing_stream_of_the_cuda_ops(gen):
     x = randn(3, 16, gen=gen)
     w = randn(16, gen=gen)
     out = torch.empty_like(x)
-    _core.ops.rms_norm(to_dlpack(out), to_dlpack(x), to_dlpack(w), 1e-5, 0)
+    _core.ops.rms_norm(to_dlpack(out), to_dlpack(x), to_dlpack(w), 1e-5, stream=0)
     torch.testing.assert_close(out, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w)
     with pytest.raises(ValueError, match=r"rms_norm: stream must be 0 for the cpu ops"):
-        _core.ops.rms_norm(to_dlpack(out), to_dlpack(x), to_dlpack(w), 1e-5, 1234)
+        _core.ops.rms_norm(to_dlpack(out), to_dlpack(x), to_dlpack(w), 1e-5, stream=1234)
     for name in _SHARED_OPS:
         assert _parameter_names(getattr(_core.ops, name))[-1] == "stream", name
 

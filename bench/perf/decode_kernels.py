@@ -66,6 +66,18 @@ def make_engine(shape: str | None, batch: int, eager: bool, steps: int, options:
     return engine
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the model's weights: its parameters and the weights its linear kernels hold (a
+    --batch-invariant model keeps its matrices in FixedSliceProduct), each storage counted once."""
+    tensors = {t.data_ptr(): t for t in model.parameters()}
+    kernels = [getattr(m, "kernel", None) for m in model.modules()] + [getattr(model, "lm_head_kernel", None)]
+    for kernel in kernels:
+        weight = getattr(kernel, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            tensors[weight.data_ptr()] = weight
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def census(shape: str | None, batch: int, steps: int, options: dict) -> tuple[dict, list[dict]]:
     """Kernels and device time per eager decode step, grouped by kernel."""
     from torch.profiler import ProfilerActivity, profile
@@ -75,7 +87,7 @@ def census(shape: str | None, batch: int, steps: int, options: dict) -> tuple[di
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-    params = sum(p.numel() * p.element_size() for p in engine.worker.model.parameters())
+    params = weight_bytes(engine.worker.model)
     engine.shutdown()
     groups: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for evt in prof.events():

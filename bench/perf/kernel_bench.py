@@ -42,7 +42,7 @@ ROTATE_BYTES = 512 << 20  # rotate inputs over at least this much memory (H100/H
 
 def cuda_op(name, *args):
     args = [to_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args]
-    getattr(_core.cuda_ops, name)(*args, torch.cuda.current_stream().cuda_stream)
+    getattr(_core.cuda_ops, name)(*args, stream=torch.cuda.current_stream().cuda_stream)
 
 
 def time_per_call_ms(calls, rounds: int, repeat: int) -> float:

@@ -55,9 +55,20 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int /*max_query_len*/, int /*max_seq_len*/,
                      int /*num_decodes*/, const std::optional<TensorView>& /*workspace*/, int window, float softcap,
-                     HostStream, bool fixed_split) {
+                     bool fixed_split, HostStream) {
   ops::paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                        {window, softcap, fixed_split});
+}
+
+// The CPU norms always sum a row in an order fixed by its width: fixed_order changes nothing here.
+void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps, bool /*fixed_order*/,
+              HostStream) {
+  ops::rms_norm(out, x, weight, eps);
+}
+
+void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight, float eps,
+                        bool /*fixed_order*/, HostStream) {
+  ops::fused_add_rms_norm(x, residual, weight, eps);
 }
 
 void small_batch_linear(const TensorView& out, const TensorView& x, const TensorView& weight,
@@ -75,12 +86,14 @@ void rope_cos_sin_cache(const TensorView& cos_sin, double theta, double factor, 
 void bind_ops(py::module_& m) {
   const auto stream = py::arg("stream") = 0;
   constexpr Gil kRelease = Gil::kRelease;
-  def_op<kRelease>(m, "rms_norm", &OnHost<&ops::rms_norm>::call,
+  def_op<kRelease>(m, "rms_norm", &rms_norm,
                    "out = x / sqrt(mean(x^2) + eps) * weight, row-wise. x, out: [T, H]; weight: [H].",
-                   py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("eps"), stream);
-  def_op<kRelease>(m, "fused_add_rms_norm", &OnHost<&ops::fused_add_rms_norm>::call,
+                   py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("eps"),
+                   py::arg("fixed_order") = false, stream);
+  def_op<kRelease>(m, "fused_add_rms_norm", &fused_add_rms_norm,
                    "In place: residual += x; x = rms_norm(residual) * weight.",
-                   py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), stream);
+                   py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+                   py::arg("fixed_order") = false, stream);
   def_op<kRelease>(m, "rotary_embedding", &OnHost<&ops::rotary_embedding>::call,
                    "In place NeoX-style rotary embedding of query [T, Hq, D] and key [T, Hkv, D].",
                    py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("cos_sin_cache"), stream);
@@ -100,8 +113,8 @@ void bind_ops(py::module_& m) {
                    py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
                    py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
                    py::arg("max_query_len") = 0, py::arg("max_seq_len") = 0, py::arg("num_decodes") = 0,
-                   py::arg("workspace") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0f, stream,
-                   py::arg("fixed_split") = false);
+                   py::arg("workspace") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0f,
+                   py::arg("fixed_split") = false, stream);
   def_op<kRelease>(m, "grouped_linear", &OnHost<&ops::grouped_linear>::call,
                    "Mixture-of-experts products: out[r] = x[r] weight[e]^T for the rows [expert_offsets[e], "
                    "expert_offsets[e + 1]) of each expert e (cpp/ops/grouped_linear.h).",

@@ -33,8 +33,8 @@ using ops::TensorView;
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
-                     const std::optional<TensorView>& workspace, int window, float softcap, cudaStream_t stream,
-                     bool fixed_split) {
+                     const std::optional<TensorView>& workspace, int window, float softcap, bool fixed_split,
+                     cudaStream_t stream) {
   cuda::paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                         max_query_len, max_seq_len, num_decodes, workspace.value_or(TensorView{}),
                         {window, softcap, fixed_split},
@@ -52,11 +52,14 @@ void bind_cuda_ops(py::module_& m) {
   const auto stream = py::arg("stream");
   constexpr Gil kHold = Gil::kHold;
   def_op<kHold>(m, "rms_norm", &cuda::rms_norm,
-                "out = x / sqrt(mean(x^2) + eps) * weight, per row. x, out: [T, H]; weight: [H].",
-                py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("eps"), stream);
+                "out = x / sqrt(mean(x^2) + eps) * weight, per row. x, out: [T, H]; weight: [H]. fixed_order: rows "
+                "summed in an order fixed by H (batch-invariant) instead of torch's for T rows.",
+                py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("fixed_order") = false,
+                stream);
   def_op<kHold>(m, "fused_add_rms_norm", &cuda::fused_add_rms_norm,
-                "In place: residual += x; x = rms_norm(residual) * weight.",
-                py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), stream);
+                "In place: residual += x; x = rms_norm(residual) * weight (fixed_order: as rms_norm).",
+                py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+                py::arg("fixed_order") = false, stream);
   def_op<kHold>(m, "rotary_embedding", &cuda::rotary_embedding,
                 "In place NeoX-style rotary embedding of query [T, Hq, D] and key [T, Hkv, D] by cos_sin_cache "
                 "[max_position, R] float32.",
@@ -79,8 +82,8 @@ void bind_cuda_ops(py::module_& m) {
                 py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
                 py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
                 py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("num_decodes"),
-                py::arg("workspace").none(true), py::arg("window"), py::arg("softcap"), stream,
-                py::arg("fixed_split") = false);
+                py::arg("workspace").none(true), py::arg("window"), py::arg("softcap"),
+                py::arg("fixed_split") = false, stream);
   def_op<kHold>(m, "qkv_rope_cache", &cuda::qkv_rope_cache,
                 "query_out = rotated q columns of qkv; rotated k and v written into their cache slots (one pass).",
                 py::arg("query_out"), py::arg("qkv"), py::arg("positions"), py::arg("cos_sin_cache"), py::arg("key_cache"),

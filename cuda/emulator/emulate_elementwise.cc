@@ -10,16 +10,20 @@ void norm_cases(DType dt) {
     const std::string shape = std::string(name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hidden);
     Tensor x = Tensor(dt, {rows, hidden}).randomize(3), weight = Tensor(dt, {hidden}).randomize();
     Tensor out = Tensor(dt, {rows, hidden}).poison(), expected(dt, {rows, hidden});
-    gpu::rms_norm(out.gpu(), x.gpu(), weight.gpu(), 1e-6f, nullptr);
+    gpu::rms_norm(out.gpu(), x.gpu(), weight.gpu(), 1e-6f, false, nullptr);
     cpu::rms_norm(expected.cpu(), x.cpu(), weight.cpu(), 1e-6f);
     expect_close("rms_norm " + shape, out, expected);
 
     Tensor residual = Tensor(dt, {rows, hidden}).randomize(2);
     Tensor x_ref = x, residual_ref = residual;
-    gpu::fused_add_rms_norm(x.gpu(), residual.gpu(), weight.gpu(), 1e-6f, nullptr);
+    gpu::fused_add_rms_norm(x.gpu(), residual.gpu(), weight.gpu(), 1e-6f, false, nullptr);
     cpu::fused_add_rms_norm(x_ref.cpu(), residual_ref.cpu(), weight.cpu(), 1e-6f);
     expect_close("fused_add_rms_norm x " + shape, x, x_ref);
     expect_close("fused_add_rms_norm residual " + shape, residual, residual_ref);
+    Tensor fixed = Tensor(dt, {rows, hidden}).poison();
+    gpu::rms_norm(fixed.gpu(), x_ref.gpu(), weight.gpu(), 1e-6f, true, nullptr);
+    cpu::rms_norm(expected.cpu(), x_ref.cpu(), weight.cpu(), 1e-6f);
+    expect_close("rms_norm fixed order " + shape, fixed, expected);
   }
 }
 

@@ -69,16 +69,19 @@ def _backend(tensor: torch.Tensor) -> tuple[Any, int]:
     raise ValueError(f"pagedserve.ops: no kernels for tensors on {tensor.device}")
 
 
-def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """out = x / sqrt(mean(x^2, -1) + eps) * weight.  x, out: [T, H]; weight: [H]."""
+def rms_norm(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, fixed_order: bool = False) -> None:
+    """out = x / sqrt(mean(x^2, -1) + eps) * weight.  x, out: [T, H]; weight: [H]. On a GPU a row is summed in
+    torch's order for T rows (bit-identical to transformers); fixed_order: in one fixed by H alone
+    (batch-invariant). The CPU always uses the latter."""
     kernels, stream = _backend(x)
-    kernels.rms_norm(_dl(out), _dl(x), _dl(weight), eps, stream)
+    kernels.rms_norm(_dl(out), _dl(x), _dl(weight), eps, fixed_order, stream)
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-    """In place: residual += x; x = rms_norm(residual) * weight."""
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       fixed_order: bool = False) -> None:
+    """In place: residual += x; x = rms_norm(residual) * weight (fixed_order: as rms_norm)."""
     kernels, stream = _backend(x)
-    kernels.fused_add_rms_norm(_dl(x), _dl(residual), _dl(weight), eps, stream)
+    kernels.fused_add_rms_norm(_dl(x), _dl(residual), _dl(weight), eps, fixed_order, stream)
 
 
 def _llama3_scaling(scaling: Optional[Mapping[str, Any]]) -> Optional[dict]:
@@ -166,8 +169,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     kernels, stream = _backend(query)
     kernels.paged_attention(_dl(out), _dl(query), _dl(key_cache), _dl(value_cache), _dl(block_tables),
                             _dl(query_start_loc), _dl(seq_lens), scale, max_query_len, max_seq_len, num_decodes,
-                            None if workspace is None else _dl(workspace), int(window), float(softcap), stream,
-                            fixed_split=bool(fixed_split))
+                            None if workspace is None else _dl(workspace), int(window), float(softcap),
+                            bool(fixed_split), stream)
 
 
 def paged_attention_workspace(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int,

@@ -6,8 +6,9 @@ the product's shape, so the same row is summed in another order when the batch h
 decode attention splits contexts into finer partitions when few rows run. Here every matrix product runs in
 slices of exactly SLICE_ROWS rows (the last one zero-padded), so one shape, one kernel and one summation order
 serve every row of every batch; rows of one product never mix. The attention keeps 512-token partitions
-whatever the batch (ops.paged_attention's fixed_split). Norms, rope, activations and the sampler already work
-row by row. The CPU is batch-invariant as it is (tests_py/test_batch_invariance.py).
+whatever the batch (ops.paged_attention's fixed_split), and the RMS norms sum a row in an order fixed by its
+width (their default mirrors torch's reduction, whose order depends on the number of rows). Rope, activations
+and the sampler already work row by row. The CPU is batch-invariant as it is (tests_py/test_batch_invariance.py).
 
 The cost: a decode step of B rows streams the weights once per ceil(B / 128) slices, and a batch smaller than
 128 pays for 128 rows of arithmetic (bench/perf/decode_kernels.py --option batch_invariant=true measures it).
@@ -50,7 +51,7 @@ def make_batch_invariant(model: nn.Module) -> None:
     """Routes every product of a CUDA model (its linears and the LM head) through FixedSliceProduct and fixes
     every attention layer's decode split. Mixture-of-experts products (grouped_linear) tile rows by expert
     without splitting K and are left as they are."""
-    from pagedserve.models.layers import Linear, PagedAttention
+    from pagedserve.models.layers import Linear, PagedAttention, RMSNorm
 
     model.use_lm_head_kernel(FixedSliceProduct(model.lm_head_weight()))  # the head (a Linear, or the embeddings)
     for module in list(model.modules()):
@@ -58,3 +59,5 @@ def make_batch_invariant(model: nn.Module) -> None:
             module.use_kernel(FixedSliceProduct(module.weight))
         elif isinstance(module, PagedAttention):
             module.use_fixed_split()
+        elif isinstance(module, RMSNorm):
+            module.use_fixed_order()

@@ -150,6 +150,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
         self.weight = _empty_parameter((size,), dtype, device)
+        self.fixed_order = False  # sum rows in an order fixed by `size` (batch_invariant.py)
+
+    def use_fixed_order(self) -> None:
+        """Rows are summed in an order fixed by the width, not torch's for the batch (batch-invariant)."""
+        self.fixed_order = True
 
     def _scale(self) -> torch.Tensor:
         if not self.offset:
@@ -159,12 +164,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalises the rows of a contiguous [N, size] tensor into a new tensor."""
         out = torch.empty_like(x)
-        ops.rms_norm(out, x, self._scale(), self.eps)
+        ops.rms_norm(out, x, self._scale(), self.eps, self.fixed_order)
         return out
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += x, then x = rms_norm(residual), both in place; returns x."""
-        ops.fused_add_rms_norm(x, residual, self._scale(), self.eps)
+        ops.fused_add_rms_norm(x, residual, self._scale(), self.eps, self.fixed_order)
         return x
 
 
