@@ -29,13 +29,13 @@ from pagedserve import ops
 from pagedserve.distributed.context import SINGLE, ParallelContext
 from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.models.families import SLIDING
-from pagedserve.models.layers import (Embedding, LayerNorm, Linear, PagedAttention, RMSNorm, RotaryEmbedding,
-                                      activation, activation_and_mul)
+from pagedserve.models.layers import Embedding, LayerNorm, Linear, PagedAttention, RMSNorm, RotaryEmbedding
 from pagedserve.models.linear_kernels import LinearKernel, PackedBf16
 from pagedserve.models.model_config import ModelConfig
+from pagedserve.models.mlp import MLP, DenseMLP
 from pagedserve.models.moe import SparseMoeBlock
-from pagedserve.models.parallel_layers import (HeadLayout, attention_output_linear, column_linear, embedding,
-                                               heads_norm, lm_head_linear, qkv_linear, row_linear)
+from pagedserve.models.parallel_layers import (HeadLayout, attention_output_linear, embedding, heads_norm,
+                                               lm_head_linear, qkv_linear)
 
 
 @dataclass(frozen=True)
@@ -116,37 +116,6 @@ class Attention(nn.Module):
         if norm is not None:
             rows = norm(rows.view(-1, self.head_dim) if self.qk_norm_per_head else rows)
         return rows.view(x.shape[0], num_heads, self.head_dim)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 parallel: ParallelContext = SINGLE):
-        super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = column_linear(config.hidden_size, (size, size), config.mlp_bias, dtype, device, parallel)
-        self.down_proj = row_linear(size, config.hidden_size, config.mlp_bias, dtype, device, parallel)
-        self.act = activation_and_mul(config.hidden_act)
-        self.fused_silu = config.hidden_act == "silu"
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gated = self.gate_up_proj.gated_forward(hidden) if self.fused_silu else None
-        if gated is None:
-            gated = self.act(self.gate_up_proj(hidden))
-        return self.down_proj(gated)
-
-
-class DenseMLP(nn.Module):
-    """Phi-2's MLP: fc2(act(fc1(x))), both with biases."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 parallel: ParallelContext = SINGLE):
-        super().__init__()
-        self.fc1 = column_linear(config.hidden_size, (config.intermediate_size,), True, dtype, device, parallel)
-        self.fc2 = row_linear(config.intermediate_size, config.hidden_size, True, dtype, device, parallel)
-        self.act = activation(config.hidden_act)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(hidden)))
 
 
 class DecoderLayer(nn.Module):
