@@ -9,7 +9,7 @@
 // more. Tiling: one block per token; its threads walk 16-byte chunks of the
 // token's heads: for q and k heads a chunk of rotation pairs (x[i..], x[R/2 +
 // i..]) or of the dims past R, for v heads a plain chunk. The arithmetic is
-// rotary_kernel.cu's, so the result is bit-identical to rotary_embedding
+// rotary_math.cuh's, as rotary_embedding's, so the result is bit-identical to rotary_embedding
 // followed by reshape_and_cache. Tokens whose position is outside the table
 // keep their keys and queries unrotated (as rotary_embedding leaves them);
 // tokens with a negative slot, or a slot past the cache, write no KV.
@@ -22,6 +22,7 @@
 #include "kv_cache_index.cuh"
 #include "launch_limits.h"
 #include "ops/op_contracts.h"
+#include "rotary_math.cuh"
 
 namespace pagedserve::cuda {
 namespace {
@@ -41,25 +42,6 @@ struct QkvShape {
 template <typename T, int kVec>
 __device__ __forceinline__ void copy_chunk(T* dst, const T* src) {
   *reinterpret_cast<Vec<T, kVec>*>(dst) = *reinterpret_cast<const Vec<T, kVec>*>(src);
-}
-
-// dst[i..], dst[half + i..] = the rotation of src's pair (rotary_kernel.cu's rounding: cos, sin, each
-// product and the sum rounded to T, as HF computes it in the model dtype).
-template <typename T, int kVec>
-__device__ __forceinline__ void rotate_pair(T* dst, const T* src, const float* cos, const float* sin, int half, int i) {
-  float x1[kVec], x2[kVec], c[kVec], s[kVec], out1[kVec], out2[kVec];
-  load_as_float(x1, src + i);
-  load_as_float(x2, src + half + i);
-  load_as_float(c, cos + i);
-  load_as_float(s, sin + i);
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    const float ce = round_through<T>(c[e]), se = round_through<T>(s[e]);
-    out1[e] = round_through<T>(x1[e] * ce) - round_through<T>(x2[e] * se);
-    out2[e] = round_through<T>(x2[e] * ce) + round_through<T>(x1[e] * se);
-  }
-  store_from_float(dst + i, out1);
-  store_from_float(dst + half + i, out2);
 }
 
 template <typename T, int kVec>

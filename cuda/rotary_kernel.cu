@@ -16,6 +16,7 @@
 #include "float_convert.cuh"
 #include "launch_limits.h"
 #include "ops/op_contracts.h"
+#include "rotary_math.cuh"
 
 namespace pagedserve::cuda {
 namespace {
@@ -29,26 +30,6 @@ struct RotaryShape {
   int rotary_dim;
   int max_position;
 };
-
-template <typename T, int kVec>
-__device__ __forceinline__ void rotate_chunk(T* x, const float* cos, const float* sin, int half, int i) {
-  float x1[kVec], x2[kVec], c[kVec], s[kVec];
-  load_as_float(x1, x + i);
-  load_as_float(x2, x + half + i);
-  load_as_float(c, cos + i);
-  load_as_float(s, sin + i);
-  float out1[kVec], out2[kVec];
-  // HF's rounding in the model dtype (see cpp/ops/rotary.cc): cos, sin, each
-  // product and the sum rounded to T.
-#pragma unroll
-  for (int e = 0; e < kVec; ++e) {
-    const float ce = round_through<T>(c[e]), se = round_through<T>(s[e]);
-    out1[e] = round_through<T>(x1[e] * ce) - round_through<T>(x2[e] * se);
-    out2[e] = round_through<T>(x2[e] * ce) + round_through<T>(x1[e] * se);
-  }
-  store_from_float(x + i, out1);
-  store_from_float(x + half + i, out2);
-}
 
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kMaxBlockThreads)
@@ -68,7 +49,7 @@ __global__ void __launch_bounds__(kMaxBlockThreads)
                ? query + (static_cast<int64_t>(token) * shape.num_query_heads + head) * shape.head_dim
                : key + (static_cast<int64_t>(token) * shape.num_kv_heads + head - shape.num_query_heads) *
                            shape.head_dim;
-    rotate_chunk<T, kVec>(x, cos, sin, half, i);
+    rotate_pair<T, kVec>(x, x, cos, sin, half, i);
   }
 }
 

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model_shapes import shape_dir  # noqa: E402
 from common.report import arg_parser, markdown_table, require_cuda, save  # noqa: E402
+from perf.step_timing import measure  # noqa: E402
 
 
 def copy_bandwidth_gbs() -> float:
@@ -104,28 +105,9 @@ def census(shape: str | None, batch: int, steps: int, options: dict) -> tuple[di
 
 
 def graph_step_ms(shape: str | None, batch: int, steps: int, options: dict) -> dict:
-    """Device and wall time of a decode step as the engine runs it (CUDA graphs)."""
-    import time
-    engine = make_engine(shape, batch, False, steps, options)
-    launch, events = engine.worker.execute_async, []
-
-    def timed(step, rows, *rest):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        pending = launch(step, rows, *rest)
-        end.record()
-        events.append((start, end))
-        return pending
-    engine.worker.execute_async = timed
-    wall = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        wall.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize()
-    engine.shutdown()
-    return {"graph_device_ms": statistics.median(s.elapsed_time(e) for s, e in events),
-            "graph_wall_ms": statistics.median(wall)}
+    """Device and wall time of a decode step as the engine runs it (CUDA graphs): step_timing.py's measure."""
+    timing = measure(shape, batch, steps, options)
+    return {"graph_device_ms": timing["device_ms_per_step"], "graph_wall_ms": timing["wall_ms_per_step"]}
 
 
 def main() -> None:

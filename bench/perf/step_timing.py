@@ -21,12 +21,13 @@ from common.model_shapes import shape_dir  # noqa: E402
 from common.report import arg_parser, markdown_table, require_cuda, save  # noqa: E402
 
 
-def measure(shape: str | None, batch: int, steps: int) -> dict:
+def measure(shape: str | None, batch: int, steps: int, options: dict | None = None) -> dict:
+    """Median wall and device ms of a decode step; options: more LLMEngine keyword options."""
     from pagedserve import LLMEngine, SamplingParams
     from pagedserve.models.default_model import default_model_dir
     model_dir, load_format = (shape_dir(shape), "dummy") if shape else (default_model_dir(), "auto")
     engine = LLMEngine(model=str(model_dir), load_format=load_format, dtype="bfloat16", device="cuda",
-                       max_num_seqs=max(batch, 8), max_model_len=1024)
+                       max_num_seqs=max(batch, 8), max_model_len=1024, **(options or {}))
     worker = engine.worker
     device_ms: list[float] = []
     launch = worker.execute_async
