@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from server_process import subprocess_env  # the pagedserve the tests import (installed, or the tree's)
+
 PEAK_RSS_LIMIT_MIB = 700
 
 _CHILD = r"""
@@ -39,19 +41,10 @@ print("RESULT " + json.dumps({"peak_mib": status("VmHWM"), "imported_mib": impor
 
 
 def test_default_cpu_engine_peak_rss_at_batch_64(default_model_path: Path):
-    repo = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(default_model_path)], capture_output=True, text=True,
-                          timeout=300, cwd=repo, env=_child_env(repo))
+                          timeout=300, env=subprocess_env())
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert proc.returncode == 0 and line is not None, proc.stderr[-3000:]
     result = json.loads(line[len("RESULT "):])
     assert result["peak_mib"] < PEAK_RSS_LIMIT_MIB, f"peak RSS over {PEAK_RSS_LIMIT_MIB} MiB: {result}"
 
-
-def _child_env(repo: Path) -> dict:
-    import os
-
-    env = dict(os.environ)
-    python_dir = str(repo / "python")
-    env["PYTHONPATH"] = python_dir + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
