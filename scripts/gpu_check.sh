@@ -9,6 +9,9 @@
 #
 # Stages: env build optests sanitizer kernels engine families structured e2e_dummy e2e_real long timing demos serve
 # (cpu_host on request: the CPU kernels and CPU serving bench on the host's CPU, pinned to 2 cores)
+# Several GPUs (nvidia-h200-x2, on request): tp_tests (NCCL TP = 2 vs 1, faults; tp_server: the same through the
+# server, and DP = 2 placement), tp_agreement, tp_e2e (Llama-3-8B shape, TP 1 and 2), tp_kernels (the all-reduce
+# share of a decode step), dp_engine and dp_serve (TinyLlama shape, DP 1 vs 2, engine only / through the server).
 # (and, on request, agreement and numerics: bench/numerics/bf16_agreement.py and bench/numerics/*_numerics.py,
 # the bf16-vs-transformers diagnosis).
 # Optional inputs: .whl/*.whl (Python packages the machine lacks, installed to
@@ -21,6 +24,9 @@ OUT=${OUT:-$PWD/gpu_out}
 RUN=$OUT/run
 mkdir -p "$RUN"
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}
+# NVLink multicast stays off (the lenders' rule: it can take shared GPUs out of service); the engine's
+# rank and replica processes inherit these.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(env build optests sanitizer kernels engine families structured e2e_dummy e2e_real long timing demos serve)
 SUMMARY=$RUN/summary.txt
@@ -102,6 +108,30 @@ for stage in "${STAGES[@]}"; do
       gguf=$(python3 -m pagedserve.models.default_model --gguf 2>/dev/null | tail -n 1)
       run_stage cpu_serving taskset -c 0,1 python3 bench/perf/cpu_serving_bench.py --rounds "${CPU_ROUNDS:-1}" \
         ${gguf:+--gguf "$gguf"} --out "$RUN" ;;
+    tp_tests)
+      run_stage tp_tests timeout 420 python3 -m pytest tests_py/test_gpu_tensor_parallel.py -v -s -p no:cacheprovider \
+        -k "not server" ;;
+    tp_server)
+      run_stage tp_server timeout 300 python3 -m pytest tests_py/test_gpu_tensor_parallel.py -v -s -p no:cacheprovider \
+        -k server ;;
+    tp_agreement)
+      run_stage tp_agreement timeout 420 python3 bench/numerics/tp_agreement.py --out "$RUN" ;;
+    tp_e2e)  # 128 in / 256 out, 1, 64 and 256 at once
+      for tp in 1 2; do
+        run_stage "tp${tp}_e2e" timeout 300 python3 bench/perf/throughput.py --device cuda --shape llama-3-8b --no-hf \
+          --concurrency 1 64 256 --prompt-len 128 --output-len 256 --tensor-parallel-size "$tp" --out "$RUN"
+      done ;;
+    tp_kernels)
+      run_stage tp_kernels timeout 300 python3 bench/perf/decode_kernels.py --shape llama-3-8b --batch 1 64 \
+        --label tp2 --option tensor_parallel_size=2 --out "$RUN" ;;
+    dp_engine)  # TinyLlama shape, 256 in flight: the replicas alone
+      run_stage dp_engine timeout 300 python3 bench/perf/dp_engine_bench.py --shape tinyllama-1.1b --dp 1 2 \
+        --concurrency 256 --out "$RUN" ;;
+    dp_serve)  # the same through the server and a streaming client (the default model's tokenizer)
+      run_stage dp_serve timeout 300 python3 bench/perf/dp_bench.py --dp 1,2 --workloads random,shared_prefix \
+        --num-prompts 512 --concurrency 256 --output-len 256 \
+        --serve-args "--device cuda --model $(python3 -c 'import sys; sys.path.insert(0, "bench"); from common.model_shapes import shape_dir_with_tokenizer as d; print(d("tinyllama-1.1b"))') --load-format dummy --max-num-seqs 256" \
+        --name dp_cuda_tinyllama --out "$RUN" ;;
     *)
       note "unknown stage $stage" ;;
   esac

@@ -20,6 +20,21 @@ SHAPES = {
         "tie_word_embeddings": True, "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
         "torch_dtype": "bfloat16", "hidden_act": "silu",
     },
+    "llama-3-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    },
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
+        "torch_dtype": "bfloat16", "hidden_act": "silu",
+    },
 }
 
 
@@ -30,4 +45,24 @@ def shape_dir(name: str) -> Path:
     path = Path(tempfile.gettempdir()) / "pagedserve-shapes" / name
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    return path
+
+
+def shape_dir_with_tokenizer(name: str) -> Path:
+    """A named shape with the default model's tokenizer beside it (for the server's text endpoints), its
+    vocabulary widened to the tokenizer's where that is larger (TinyLlama: 32,000 -> 49,152 rows)."""
+    import shutil
+
+    from pagedserve.models.default_model import default_model_dir
+
+    source = default_model_dir()
+    tokenizer_config = json.loads((source / "config.json").read_text())
+    fields = {**SHAPES[name], "vocab_size": max(SHAPES[name]["vocab_size"], tokenizer_config["vocab_size"]),
+              "bos_token_id": tokenizer_config.get("bos_token_id"), "eos_token_id": tokenizer_config.get("eos_token_id")}
+    path = Path(tempfile.gettempdir()) / "pagedserve-shapes" / f"{name}-tokenizer"
+    path.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(file, path / file.name)
+    (path / "config.json").write_text(json.dumps(fields, indent=2))
     return path

@@ -101,6 +101,9 @@ def census(shape: str | None, batch: int, steps: int, options: dict) -> tuple[di
             for k, (n, us) in sorted(groups.items(), key=lambda kv: -kv[1][1])]
     total = {"kernels_per_step": sum(r["launches_per_step"] for r in rows),
              "kernel_us_per_step": sum(r["device_us_per_step"] for r in rows), "param_bytes": params}
+    # Tensor parallel: the collectives' kernels (NCCL's all-reduces; this rank's share of the step).
+    total["nccl_share"] = sum(r["device_us_per_step"] for r in rows if "nccl" in r["kernel"].lower()) / \
+        max(total["kernel_us_per_step"], 1e-9)
     return total, rows
 
 
@@ -124,7 +127,7 @@ def main() -> None:
     options = {}
     for kv in args.option:
         key, value = kv.split("=", 1)
-        options[key] = {"true": True, "false": False}.get(value.lower(), value)
+        options[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
     shape = None if args.shape == "default" else args.shape
     bandwidth = copy_bandwidth_gbs()
     summary, details = [], {}

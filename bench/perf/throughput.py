@@ -60,6 +60,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     ap.add_argument("--hf-static-max", type=int, default=256, help="largest static batch given to transformers")
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (one GPU each) for pagedserve")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="pagedserve's share of the card")
     ap.add_argument("--name", default=None, help="results file name (default derived from device and model)")
     ap.add_argument("--out", type=Path, default=None)
@@ -119,7 +120,7 @@ def make_llm(args, model_dir: Path, load_format: str, dtype: str, max_seqs: int)
     from pagedserve import LLM, SamplingParams
     llm = LLM(str(model_dir), dtype=dtype, device=args.device, load_format=load_format, max_num_seqs=max_seqs,
               max_model_len=args.prompt_len + args.output_len + 16,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     vocab = llm.llm_engine.model_config.vocab_size
     llm.generate([{"prompt_token_ids": p} for p in prompts_for(2, args.prompt_len, vocab, seed=99)],
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
@@ -248,6 +249,8 @@ def main() -> None:
         rows += run_transformers(args, model_dir, load_format, getattr(torch, dtype_name), vocab)
     rows = with_ratios(rows)
     name = args.name or f"throughput_{args.device.split(':')[0]}_{label}".replace("/", "_").replace(".", "_")
+    if args.tensor_parallel_size > 1 and not args.name:
+        name += f"_tp{args.tensor_parallel_size}"
     if args.quick and not args.name:
         name += "_quick"
     cols = ["engine", "concurrency", "output_tok_s", "ms_per_output_token", "peak_gpu_gib", "kv_pool_gib",
@@ -256,11 +259,13 @@ def main() -> None:
     print(table)
     lengths = f"{args.output_len}" if args.min_output_len is None else f"{args.min_output_len}..{args.output_len}"
     queue = f", {args.requests_per_slot} requests per slot" if args.requests_per_slot > 1 else ""
-    title = (f"{label} ({dtype_name}, {args.device}): prompt {args.prompt_len}, "
+    tp = f", TP = {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    title = (f"{label} ({dtype_name}, {args.device}{tp}): prompt {args.prompt_len}, "
              f"output {lengths} tokens, ignore_eos{queue}")
     path = save(name, {"model": label, "dtype": dtype_name, "device": args.device, "prompt_len": args.prompt_len,
                        "output_len": args.output_len, "min_output_len": args.min_output_len,
-                       "requests_per_slot": args.requests_per_slot, "rows": rows}, f"## {title}\n\n{table}", args.out)
+                       "requests_per_slot": args.requests_per_slot,
+                       "tensor_parallel_size": args.tensor_parallel_size, "rows": rows}, f"## {title}\n\n{table}", args.out)
     if args.plot:
         plot(rows, path.with_suffix(".png"), title)
     print(f"saved {path}")
