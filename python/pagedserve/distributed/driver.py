@@ -6,14 +6,23 @@ ranks' collectives and whose sampler alone draws tokens. Whatever goes wrong in 
 died (its connection drops and the collective fails at once) or hangs (the collective times out) -
 becomes EngineDeadError naming the rank and why, and the engine stays dead: every later step raises
 the same error. check_health() finds a dead rank between steps too.
+
+On NCCL a dead peer fails nothing by itself: the driver's collective kernels spin on the GPU for it,
+and the step's result never arrives. So with spawned ranks on CUDA a watcher thread waits on the
+ranks' process sentinels and, when one ends while the engine runs, aborts the NCCL communicators
+(the spinning kernels then end); the step's result is then refused with the rank's EngineDeadError.
+Shutting down destroys the groups on every rank together (NCCL's destroy is collective), after
+the stop message and before the ranks are joined; after a failure the groups are aborted instead.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 import weakref
+from multiprocessing.connection import wait
 from typing import Optional
 
 import torch.distributed as dist
@@ -98,12 +107,15 @@ class DriverWorker:
         self._dead: Optional[EngineDeadError] = None
         self._state = {"closed": False, "failed": False}  # shared with the finalizer, which must not hold self
         self._closer = weakref.finalize(self, _close, self.channel, ranks, self._state)
+        if ranks.processes and dist.get_backend() == "nccl":
+            threading.Thread(target=_watch_ranks, args=(ranks, self._state), name="pagedserve-rank-watch",
+                             daemon=True).start()
 
     def execute_async(self, step, rows, grammar=None, prompt_plan=None):
         self.check_health()
         try:
             self.channel.send_step(step, prompt_plan)
-            return self.worker.execute_async(step, rows, grammar, prompt_plan)
+            return _Checked(self.worker.execute_async(step, rows, grammar, prompt_plan), self)
         except Exception as error:
             self._dead = self.ranks.failure(error)
             logger.error("tensor-parallel engine failed: %s", self._dead)
@@ -127,16 +139,50 @@ class DriverWorker:
         self._closer()
 
 
+class _Checked:
+    """A step's pending result that is refused when a rank died while it ran (its values are void then:
+    the collectives were aborted)."""
+
+    def __init__(self, pending, driver: DriverWorker):
+        self.pending, self.driver = pending, driver
+
+    def result(self):
+        value = self.pending.result()
+        self.driver.check_health()
+        return value
+
+    def __getattr__(self, name):
+        return getattr(self.pending, name)
+
+
+def _watch_ranks(ranks: RankProcesses, state: dict) -> None:
+    """Waits for a rank's process to end; one that ends while the engine runs gets the NCCL groups aborted."""
+    wait([process.sentinel for _, process in ranks.processes])
+    with _GROUPS_LOCK:
+        if state["closed"] or not dist.is_initialized():
+            return
+        state["failed"] = True
+        logger.error("tensor-parallel %s: aborting the NCCL communicators", ranks.dead())
+        dist.distributed_c10d._abort_process_group()
+
+
+_GROUPS_LOCK = threading.Lock()  # the watcher's abort and the shutdown's destroy, one at a time
+
+
 def _close(channel: StepChannel, ranks: RankProcesses, state: dict) -> None:
-    if state["closed"]:
-        return
-    state["closed"] = True
-    healthy = not state["failed"] and ranks.dead() is None
-    if healthy:
-        try:
-            channel.send_stop()
-        except Exception:  # a rank already gone: the signals below end the rest
-            healthy = False
+    with _GROUPS_LOCK:
+        if state["closed"]:
+            return
+        state["closed"] = True
+        healthy = not state["failed"] and ranks.dead() is None
+        if healthy:
+            try:
+                channel.send_stop()
+            except Exception:  # a rank already gone: the signals below end the rest
+                healthy = False
+        if dist.is_initialized():
+            if healthy or dist.get_backend() != "nccl":
+                dist.destroy_process_group()  # the ranks destroy theirs on the stop message
+            else:
+                dist.distributed_c10d._abort_process_group()  # a destroy would wait for the dead rank
     ranks.stop(_STOP_GRACE_S if healthy else 0.0)
-    if dist.is_initialized():
-        dist.destroy_process_group()
