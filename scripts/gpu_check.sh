@@ -117,7 +117,7 @@ for stage in "${STAGES[@]}"; do
     tp_agreement)
       run_stage tp_agreement timeout 420 python3 bench/numerics/tp_agreement.py --out "$RUN" ;;
     tp_e2e)  # 128 in / 256 out, 1, 64 and 256 at once
-      for tp in 1 2; do
+      for tp in ${TP_SIZES:-1 2}; do
         run_stage "tp${tp}_e2e" timeout 300 python3 bench/perf/throughput.py --device cuda --shape llama-3-8b --no-hf \
           --concurrency 1 64 256 --prompt-len 128 --output-len 256 --tensor-parallel-size "$tp" --out "$RUN"
       done ;;
