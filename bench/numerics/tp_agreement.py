@@ -22,6 +22,7 @@ real weights.
 from __future__ import annotations
 
 import gc
+import random
 import sys
 import tempfile
 from pathlib import Path
@@ -131,11 +132,15 @@ def main() -> None:
     require_cuda(__file__)
     if torch.cuda.device_count() < 2:
         raise SystemExit("tp_agreement.py needs two CUDA GPUs")
-    from transformers import AutoTokenizer
-    from pagedserve.models.default_model import default_model_dir
-
-    prompts = agreement_prompts(AutoTokenizer.from_pretrained(default_model_dir()))
     models = ["default"] if args.quick else args.models
+    if "default" in models:
+        from transformers import AutoTokenizer
+        from pagedserve.models.default_model import default_model_dir
+
+        prompts = agreement_prompts(AutoTokenizer.from_pretrained(default_model_dir()))
+    else:  # random weights need no words: 32 seeded prompts of 6..24 token ids
+        rng = random.Random(0)
+        prompts = [[rng.randrange(100, 30000) for _ in range(rng.randrange(6, 25))] for _ in range(32)]
     prompts = prompts[:8] if args.quick else prompts
     rows = []
     with tempfile.TemporaryDirectory(prefix="tp-agreement-") as root:

@@ -12,7 +12,8 @@ and the step's result never arrives. So with spawned ranks on CUDA a watcher thr
 ranks' process sentinels and, when one ends while the engine runs, aborts the NCCL communicators
 (the spinning kernels then end); the step's result is then refused with the rank's EngineDeadError.
 Shutting down destroys the groups on every rank together (NCCL's destroy is collective), after
-the stop message and before the ranks are joined; after a failure the groups are aborted instead.
+the stop message and the CUDA graphs that captured them (NCCL's destroy waits for those), and before
+the ranks are joined; after a failure the groups are aborted instead.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class DriverWorker:
         self.ranks = ranks
         self._dead: Optional[EngineDeadError] = None
         self._state = {"closed": False, "failed": False}  # shared with the finalizer, which must not hold self
-        self._closer = weakref.finalize(self, _close, self.channel, ranks, self._state)
+        self._closer = weakref.finalize(self, _close, self.channel, ranks, self._state, worker)
         if ranks.processes and dist.get_backend() == "nccl":
             threading.Thread(target=_watch_ranks, args=(ranks, self._state), name="pagedserve-rank-watch",
                              daemon=True).start()
@@ -169,7 +170,7 @@ def _watch_ranks(ranks: RankProcesses, state: dict) -> None:
 _GROUPS_LOCK = threading.Lock()  # the watcher's abort and the shutdown's destroy, one at a time
 
 
-def _close(channel: StepChannel, ranks: RankProcesses, state: dict) -> None:
+def _close(channel: StepChannel, ranks: RankProcesses, state: dict, worker) -> None:
     with _GROUPS_LOCK:
         if state["closed"]:
             return
@@ -180,6 +181,8 @@ def _close(channel: StepChannel, ranks: RankProcesses, state: dict) -> None:
                 channel.send_stop()
             except Exception:  # a rank already gone: the signals below end the rest
                 healthy = False
+        if healthy:
+            worker.close()  # its CUDA graphs hold the communicators
         if dist.is_initialized():
             if healthy or dist.get_backend() != "nccl":
                 dist.destroy_process_group()  # the ranks destroy theirs on the stop message

@@ -74,6 +74,7 @@ def follow(parallel: ParallelContext) -> int:
             raise RuntimeError(f"rank {parallel.rank}: unknown command {command} from the driver")
         step, plan = decode_step(payload)
         worker.execute_async(step, None, None, plan)
+    worker.close()  # its CUDA graphs first: NCCL's destroy waits for the graphs that captured it
     dist.destroy_process_group()
     return 0
 

@@ -77,6 +77,15 @@ class CudaGraphs:
             hidden = model.forward(input_ids, positions, attn, kv_cache)
         return CapturedDecode(bs, graph, hidden)
 
+    def release(self) -> None:
+        """Destroys the graphs (NCCL waits for the graphs that captured a communicator before destroying
+        it: tensor-parallel shutdown hung on them); lookups find none afterwards."""
+        torch.cuda.synchronize()
+        for captured in self._by_size.values():
+            captured.graph.reset()
+        self._by_size.clear()
+        self._size_for = np.zeros(1, dtype=np.int64)
+
     def lookup(self, step) -> Optional[CapturedDecode]:
         n = step.num_seqs
         if n == 0 or step.num_decodes != n or step.num_tokens != n or n >= len(self._size_for):

@@ -106,7 +106,10 @@ class Worker:
         """Raises EngineDeadError when the worker cannot run another step (a single process always can)."""
 
     def close(self) -> None:
-        """Nothing to stop: the memory goes with the object."""
+        """Destroys the captured CUDA graphs, before a tensor-parallel group's communicators they captured
+        are destroyed; the rest of the memory goes with the object."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.release()
 
     def _step_inputs(self, config: EngineConfig, max_model_len: int) -> StepInputs:
         return StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
