@@ -238,3 +238,35 @@ def test_default_model_fused_matches_transformers(default_model_path):
     error = ((ours_all.double() - expected.double()).norm() / expected.double().norm()).item()
     assert error < 1e-4
     assert torch.equal(ours_all.argmax(-1), expected.argmax(-1))
+
+
+def test_gguf_blocks_bit_identical(tmp_path, monkeypatch):
+    """A GGUF file's blocks kept as they are (GgufLinear, GgufRows): one ggml type per linear (Q8_0, the MLP
+    down projection Q4_0, the tied embedding Q4_1) runs in the stack, bit-identical to the per-op path."""
+    from gguf import GGMLQuantizationType as T
+    from transformers import LlamaConfig
+
+    from pagedserve.models.gguf_model_dir import gguf_model_dir
+    from test_gguf_models import TINY, ours_from, write_tiny_gguf
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    source = make_hf_model(LlamaConfig, seed=5, tie_word_embeddings=True, **TINY)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", source, dict(ffn_down=T.Q4_0), T.Q4_1, None)
+    model = ours_from(gguf_model_dir(path, tmp_path / "cache"))
+    assert_bit_identical(model, prompts_for(TINY["vocab_size"]))
+
+
+def test_gguf_projection_of_mixed_block_types_keeps_the_per_op_path(tmp_path, monkeypatch):
+    """llama.cpp's Q4_K_M files quantize attn_v apart from attn_q/attn_k: the merged qkv is two kernel calls."""
+    from gguf import GGMLQuantizationType as T
+    from transformers import LlamaConfig
+
+    from pagedserve.models.gguf_model_dir import gguf_model_dir
+    from test_gguf_models import TINY, ours_from, write_tiny_gguf
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    source = make_hf_model(LlamaConfig, seed=5, tie_word_embeddings=True, **TINY)
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", source, dict(attn_v=T.Q4_1), T.Q8_0, None)
+    model = ours_from(gguf_model_dir(path, tmp_path / "cache"))
+    assert "mix block types" in unfusable_reason(model.model)
+    assert not fuse_decoder_layers(model)

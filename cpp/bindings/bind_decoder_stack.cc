@@ -7,6 +7,7 @@
 // for as long as it lives, so its views never outlive the weights.
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string_view>
 #include <vector>
 
@@ -25,18 +26,18 @@ using OptionalCapsule = std::optional<py::capsule>;
 class PyDecoderStack {
  public:
   PyDecoderStack(const py::capsule& embedding, const py::capsule& final_norm, float final_eps,
-                 const ops::DecoderShape& shape, int64_t vocab_size)
+                 const ops::DecoderShape& shape, int64_t vocab_size, int64_t embedding_ggml_type)
       : shape_(shape),
         stack_(std::make_unique<ops::DecoderStack>(shape, keep(embedding, "embedding"),
                                                    ops::NormWeights{keep(final_norm, "final_norm"), final_eps},
-                                                   vocab_size)) {}
+                                                   vocab_size, embedding_ggml_type)) {}
 
   void add_layer(const py::capsule& input_norm, float input_eps, const py::capsule& qkv, const OptionalCapsule& qkv_bias,
                  const OptionalCapsule& q_norm, const OptionalCapsule& k_norm, float qk_eps,
                  const OptionalCapsule& cos_sin, float scale, int window, float softcap, const py::capsule& o,
                  const OptionalCapsule& o_bias, const py::capsule& post_attention_norm, float post_attention_eps,
                  const py::capsule& gate_up, const OptionalCapsule& gate_up_bias, const py::capsule& down,
-                 const OptionalCapsule& down_bias, ops::LinearFormat format) {
+                 const OptionalCapsule& down_bias, ops::LinearFormat format, const std::vector<int64_t>& ggml_types) {
     const int64_t hidden = shape_.hidden_size;
     const int64_t q_size = shape_.num_heads * shape_.head_dim;
     const int64_t qkv_out = q_size + 2 * shape_.num_kv_heads * shape_.head_dim;
@@ -53,7 +54,14 @@ class PyDecoderStack {
     layer.post_attention_norm = {keep(post_attention_norm, "post_attention_norm"), post_attention_eps};
     layer.gate_up = linear(gate_up, gate_up_bias, "gate_up", hidden, 2 * intermediate);
     layer.down = linear(down, down_bias, "down", intermediate, hidden);
-    for (ops::LinearWeights* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) w->format = format;
+    if (format == ops::LinearFormat::kGguf && ggml_types.size() != 4) {
+      throw std::invalid_argument("DecoderStack.add_layer: GGUF linears need ggml_types for qkv, o, gate_up, down");
+    }
+    size_t which = 0;
+    for (ops::LinearWeights* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
+      w->format = format;
+      if (format == ops::LinearFormat::kGguf) w->ggml_type = ggml_types[which++];
+    }
     stack_->add_layer(layer);
   }
 
@@ -102,7 +110,8 @@ void bind_decoder_stack(py::module_& m) {
   py::enum_<ops::LinearFormat>(m, "LinearFormat", "How a DecoderStack layer's linear weights are multiplied.")
       .value("packed_bf16", ops::LinearFormat::kPackedBf16, "packed_linear: bf16 tiles, float32 activations")
       .value("packed_bf16_activations", ops::LinearFormat::kPackedBf16Activations,
-             "packed_linear_bf16: bf16 tiles, bf16-rounded activations");
+             "packed_linear_bf16: bf16 tiles, bf16-rounded activations")
+      .value("gguf", ops::LinearFormat::kGguf, "gguf_linear: GGUF blocks of one ggml type per linear");
 
   py::class_<ops::DecoderShape>(m, "DecoderShape",
                                 "The sizes of a DecoderStack's layers: hidden, heads, kv heads, head dim, MLP.")
@@ -117,19 +126,19 @@ void bind_decoder_stack(py::module_& m) {
   py::class_<PyDecoderStack>(m, "DecoderStack",
                              "Every pre-norm gated-MLP decoder layer of a step in one call, bit-identical to the "
                              "per-op path (cpp/ops/decoder_layer.h).")
-      .def(py::init<const py::capsule&, const py::capsule&, float, const ops::DecoderShape&, int64_t>(),
+      .def(py::init<const py::capsule&, const py::capsule&, float, const ops::DecoderShape&, int64_t, int64_t>(),
            py::arg("embedding"), py::arg("final_norm"), py::arg("final_eps"), py::arg("shape"),
-           py::arg("vocab_size") = -1,
-           "embedding: the token table [V, H], or a tied LM head's bf16 tiles (pack_linear_weight) with "
-           "vocab_size V under float32 activations.")
+           py::arg("vocab_size") = -1, py::arg("embedding_ggml_type") = -1,
+           "embedding: the token table [V, H], a tied LM head's bf16 tiles (pack_linear_weight) with "
+           "vocab_size V under float32 activations, or GGUF blocks [V, row bytes] of embedding_ggml_type.")
       .def("add_layer", &PyDecoderStack::add_layer, py::arg("input_norm"), py::arg("input_eps"), py::arg("qkv"),
            py::arg("qkv_bias"), py::arg("q_norm"), py::arg("k_norm"), py::arg("qk_eps"), py::arg("cos_sin"),
            py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("o"), py::arg("o_bias"),
            py::arg("post_attention_norm"), py::arg("post_attention_eps"), py::arg("gate_up"),
            py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"),
-           py::arg("linear_format") = ops::LinearFormat::kPackedBf16,
+           py::arg("linear_format") = ops::LinearFormat::kPackedBf16, py::arg("ggml_types") = std::vector<int64_t>{},
            "Appends the next layer: norm weights, linear weights in linear_format (packed_bf16: from "
-           "pack_linear_weight) and biases, "
+           "pack_linear_weight; gguf: blocks, with ggml_types for qkv, o, gate_up, down) and biases, "
            "the rope table (None: no rope) and the attention's scale, window and softcap.")
       .def("forward", &PyDecoderStack::forward, py::arg("out"), py::arg("input_ids"), py::arg("rope_positions"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"),

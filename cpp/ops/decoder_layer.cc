@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "ops/gguf_ops.h"
 #include "ops/op_contracts.h"
 #include "ops/ops.h"
 #include "ops/packed_weight_layout.h"
@@ -70,6 +71,9 @@ void linear(const TensorView& out, const TensorView& x, const LinearWeights& w) 
     case LinearFormat::kPackedBf16Activations:
       packed_linear_bf16(out, x, w.packed, w.bias);
       return;
+    case LinearFormat::kGguf:
+      gguf_linear(out, x, w.packed, w.ggml_type, w.bias);
+      return;
   }
   fail_argument(kOp, "unknown linear format " + std::to_string(static_cast<int>(w.format)));
 }
@@ -100,10 +104,11 @@ struct DecoderStack::Scratch {
 void DecoderStack::AlignedFree::operator()(std::byte* p) const { ::operator delete[](p, std::align_val_t{kAlign}); }
 
 DecoderStack::DecoderStack(const DecoderShape& shape, const TensorView& embedding, const NormWeights& final_norm,
-                           int64_t vocab_size)
+                           int64_t vocab_size, int64_t embedding_ggml_type)
     : shape_(shape),
       embedding_(embedding),
       packed_embedding_(embedding.ndim == 3),
+      embedding_ggml_type_(embedding_ggml_type),
       vocab_size_(embedding.ndim == 3 ? vocab_size : embedding.size(0)),
       final_norm_(final_norm),
       dtype_(final_norm.weight.dtype) {
@@ -119,6 +124,11 @@ DecoderStack::DecoderStack(const DecoderShape& shape, const TensorView& embeddin
     PS_REQUIRE(vocab_size > 0 && embedding.size(0) == packed_col_tiles(vocab_size) &&
                    embedding.size(1) == packed_k_pairs(shape.hidden_size) && embedding.size(2) == 2 * kPackedCols,
                kOp, "an embedding in bf16 tiles must be pack_linear_weight's layout of [vocab_size, hidden_size]");
+    return;
+  }
+  if (embedding_ggml_type_ >= 0) {  // the row size is checked by gguf_dequantize_rows, on every lookup
+    require_tensor_of(kOp, "embedding", embedding, Device::kCPU, 2, DType::kUInt8);
+    PS_REQUIRE(dtype_ == DType::kFloat32, kOp, "an embedding in GGUF blocks needs float32 activations");
     return;
   }
   require_float_tensor(kOp, "embedding", embedding, Device::kCPU, 2);
@@ -137,7 +147,13 @@ void DecoderStack::add_layer(const DecoderLayerWeights& layer) {
     PS_REQUIRE(w.in_features == in && w.out_features == out, kOp,
                std::string(name) + " must map " + std::to_string(in) + " to " + std::to_string(out) +
                    " features, got " + std::to_string(w.in_features) + " to " + std::to_string(w.out_features));
-    require_tensor(kOp, name, w.packed, Device::kCPU, 3);
+    if (w.format == LinearFormat::kGguf) {  // [out, row bytes] blocks; gguf_linear checks the bytes per row
+      require_tensor_of(kOp, name, w.packed, Device::kCPU, 2, DType::kUInt8);
+      require_size(kOp, name, w.packed, 0, out);
+      PS_REQUIRE(dtype == DType::kFloat32, kOp, std::string(name) + ": GGUF blocks need float32 activations");
+    } else {
+      require_tensor(kOp, name, w.packed, Device::kCPU, 3);
+    }
     if (w.bias) require_vector(std::string(name) + " bias", *w.bias, out, dtype);
   };
   check_linear("qkv", layer.qkv, s.hidden_size, q_size + 2 * kv_size);
@@ -190,6 +206,10 @@ void DecoderStack::embed(const TensorView& residual, const TensorView& input_ids
       float* dst = rows + t * hidden;
       for (int64_t h = 0; h < hidden; ++h) dst[h] = widen(tiles[packed_weight_offset(ids[t], h, hidden)]);
     }
+    return;
+  }
+  if (embedding_ggml_type_ >= 0) {
+    gguf_dequantize_rows(residual, embedding_, embedding_ggml_type_, input_ids);
     return;
   }
   if (embedding_.dtype != dtype_) {

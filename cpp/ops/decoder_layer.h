@@ -18,9 +18,10 @@
 //
 // Weights are borrowed views (the caller keeps the tensors alive, see
 // bindings/bind_decoder_stack.cc). Linear weights are in packed_linear's bf16
-// tiles; `linear` in decoder_layer.cc is the one place a product is computed.
-// Activations take the embedding table's dtype; the KV cache is passed to the
-// cache and attention ops as it is, whatever its dtype.
+// tiles or a GGUF file's blocks (gguf_ops.h); `linear` in decoder_layer.cc is
+// the one place a product is computed. Activations take the final norm's
+// dtype; the KV cache is passed to the cache and attention ops as it is,
+// whatever its dtype.
 #pragma once
 
 #include <cstddef>
@@ -40,12 +41,14 @@ namespace pagedserve::ops {
 enum class LinearFormat : uint8_t {
   kPackedBf16,  // packed_linear: bf16 tiles, float32 activations (PackedBf16)
   kPackedBf16Activations,  // packed_linear_bf16: the same tiles, bf16-rounded activations (PackedBf16Activations)
+  kGguf,  // gguf_linear: a GGUF file's blocks of one ggml type, float32 activations (GgufLinear)
 };
 
 // One Linear: y = x W^T (+ bias), W [out_features, in_features] in `format`.
 struct LinearWeights {
   LinearFormat format = LinearFormat::kPackedBf16;
-  TensorView packed;
+  TensorView packed;  // the tiles, or kGguf's blocks [out_features, row bytes] uint8
+  int64_t ggml_type = -1;  // kGguf: the blocks' ggml type number (gguf_ops.h)
   std::optional<TensorView> bias;  // [out_features]
   int64_t in_features = 0;
   int64_t out_features = 0;
@@ -96,8 +99,10 @@ class DecoderStack {
   // Under float32 activations the table may also be a tied LM head's bf16 tiles (packed_weight_layout.h:
   // [ceil(V / 16), K_pad / 2, 32]), so a bf16 checkpoint's table is held once, not twice; its rows are
   // gathered from the tiles, the same values. vocab_size: V, required for tiles (their rows are padded).
+  // embedding_ggml_type >= 0: the table is a GGUF file's blocks [V, row bytes] uint8 of that type, its
+  // rows decoded on lookup (gguf_dequantize_rows), under float32 activations.
   DecoderStack(const DecoderShape& shape, const TensorView& embedding, const NormWeights& final_norm,
-               int64_t vocab_size = -1);
+               int64_t vocab_size = -1, int64_t embedding_ggml_type = -1);
 
   // Appends the next layer; throws std::invalid_argument naming the weight when a shape or dtype
   // disagrees with the stack's.
@@ -121,6 +126,7 @@ class DecoderStack {
   DecoderShape shape_;
   TensorView embedding_;
   bool packed_embedding_ = false;  // embedding_ holds bf16 tiles, not a [V, H] table
+  int64_t embedding_ggml_type_ = -1;  // >= 0: embedding_ holds GGUF blocks of this type
   int64_t vocab_size_ = 0;
   NormWeights final_norm_;
   DType dtype_;  // the activations'

@@ -9,7 +9,8 @@ states are bit-identical and a step crosses into C++ once.
 It applies to the standard pre-norm layer (Llama, Mistral, Qwen2, Qwen3, SmolLM2/3,
 Phi-3: RMSNorm, SiLU-gated MLP, optional q/k/v/o biases, q/k RMSNorm, layers without
 rope, sliding windows, one rope table) whose linears all use a kernel the stack knows
-(_LINEAR_FORMATS: the bf16 tiles CPU packing makes). Anything else keeps the per-op
+(_LINEAR_FORMATS: the bf16 tiles CPU packing makes, or a GGUF file's blocks of one type
+per linear, its embedding table kept as blocks too). Anything else keeps the per-op
 path; the decision is made once, after the weights are packed.
 """
 
@@ -26,6 +27,7 @@ from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.models.decoder import Attention, DecoderLayer, DecoderModel
 from pagedserve.models.mlp import MLP
 from pagedserve.models.layers import Embedding, Linear, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul
+from pagedserve.models.gguf_linear import GgufLinear, GgufRows
 from pagedserve.models.linear_kernels import PackedBf16, PackedBf16Activations, PackedBf16Rows
 
 logger = logging.getLogger("pagedserve")
@@ -33,7 +35,8 @@ logger = logging.getLogger("pagedserve")
 # LinearKernel class -> how the stack multiplies by its weight (exact classes: a subclass may compute
 # differently, and then the layer keeps the per-op path).
 _LINEAR_FORMATS = {PackedBf16: _core.ops.LinearFormat.packed_bf16,
-                   PackedBf16Activations: _core.ops.LinearFormat.packed_bf16_activations}
+                   PackedBf16Activations: _core.ops.LinearFormat.packed_bf16_activations,
+                   GgufLinear: _core.ops.LinearFormat.gguf}
 
 
 class FusedDecoderStack:
@@ -48,29 +51,38 @@ class FusedDecoderStack:
         intermediate_size = model.layers[0].mlp.gate_up_proj.out_features // 2
         shape = _core.ops.DecoderShape(self.hidden_size, first.num_heads, first.num_kv_heads, first.head_dim,
                                        intermediate_size, first.qk_norm_per_head)
-        rows = model.embed_tokens.lookup  # a tied LM head's tiles (PackedBf16Rows), or None: the table
-        table, vocab_size = (rows.packed, rows.num_rows) if rows is not None else (model.embed_tokens.weight, -1)
-        self.stack = _core.ops.DecoderStack(_dl(table), _dl(model.norm.weight), model.norm.eps, shape, vocab_size)
+        rows = model.embed_tokens.lookup  # a tied LM head's tiles (PackedBf16Rows), GGUF blocks, or None: the table
+        table, vocab_size, ggml_type = model.embed_tokens.weight, -1, -1
+        if isinstance(rows, PackedBf16Rows):
+            table, vocab_size = rows.packed, rows.num_rows
+        elif isinstance(rows, GgufRows):
+            table, ggml_type = rows.blocks, rows.ggml_type
+        self.stack = _core.ops.DecoderStack(_dl(table), _dl(model.norm.weight), model.norm.eps, shape, vocab_size,
+                                            ggml_type)
         for layer in model.layers:
             self._add_layer(layer)
 
     def _add_layer(self, layer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         extra = attn.attn.extra
+        kernels = [linear.kernel for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        weights = [_weight(kernel) for kernel in kernels]
         self.stack.add_layer(
             input_norm=_dl(layer.input_layernorm.weight), input_eps=layer.input_layernorm.eps,
-            qkv=_dl(attn.qkv_proj.kernel.packed), qkv_bias=_optional(attn.qkv_proj.bias),
+            qkv=_dl(weights[0]), qkv_bias=_optional(attn.qkv_proj.bias),
             q_norm=_optional(None if attn.q_norm is None else attn.q_norm.weight),
             k_norm=_optional(None if attn.k_norm is None else attn.k_norm.weight),
             qk_eps=0.0 if attn.q_norm is None else attn.q_norm.eps,
             cos_sin=_optional(None if attn.rotary is None else attn.rotary.cos_sin_cache), scale=attn.attn.scale,
             window=int(extra.get("window", 0)), softcap=float(extra.get("softcap", 0.0)),
-            o=_dl(attn.o_proj.kernel.packed), o_bias=_optional(attn.o_proj.bias),
+            o=_dl(weights[1]), o_bias=_optional(attn.o_proj.bias),
             post_attention_norm=_dl(layer.post_attention_layernorm.weight),
             post_attention_eps=layer.post_attention_layernorm.eps,
-            gate_up=_dl(mlp.gate_up_proj.kernel.packed), gate_up_bias=_optional(mlp.gate_up_proj.bias),
-            down=_dl(mlp.down_proj.kernel.packed), down_bias=_optional(mlp.down_proj.bias),
-            linear_format=_LINEAR_FORMATS[type(attn.qkv_proj.kernel)])
+            gate_up=_dl(weights[2]), gate_up_bias=_optional(mlp.gate_up_proj.bias),
+            down=_dl(weights[3]), down_bias=_optional(mlp.down_proj.bias),
+            linear_format=_LINEAR_FORMATS[type(kernels[0])],
+            ggml_types=[kernel.segments[0].ggml_type for kernel in kernels] if isinstance(kernels[0], GgufLinear)
+            else [])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                  kv_cache: torch.Tensor) -> torch.Tensor:
@@ -83,6 +95,11 @@ class FusedDecoderStack:
         return out
 
 
+def _weight(kernel) -> torch.Tensor:
+    """The tensor the stack multiplies by: bf16 tiles, or a GgufLinear's one block matrix."""
+    return kernel.segments[0].weight if isinstance(kernel, GgufLinear) else kernel.packed
+
+
 def _optional(tensor: Optional[torch.Tensor]):
     return None if tensor is None else _dl(tensor)
 
@@ -90,10 +107,12 @@ def _optional(tensor: Optional[torch.Tensor]):
 def unfusable_reason(model: DecoderModel) -> Optional[str]:
     """Why model's layers must keep the per-op path, or None when the stack can run them."""
     lookup = model.embed_tokens.lookup
-    if lookup is not None and not isinstance(lookup, PackedBf16Rows):
-        return "the embedding table is kept in another format (GGUF blocks)"
-    if (lookup.packed if lookup is not None else model.embed_tokens.weight).device.type != "cpu":
+    if lookup is not None and not isinstance(lookup, (PackedBf16Rows, GgufRows)):
+        return f"the embedding table is kept as {type(lookup).__name__}"
+    if model.norm.weight.device.type != "cpu":
         return "the model is not on the CPU"
+    if isinstance(lookup, GgufRows) and model.norm.weight.dtype != torch.float32:
+        return "GGUF blocks need float32 activations"
     if type(model.embed_tokens) is not Embedding:  # e.g. a vocab-parallel shard, whose lookup all-reduces
         return f"the embedding is a {type(model.embed_tokens).__name__}"
     if model.embed_scale != 1.0:
@@ -130,6 +149,12 @@ def _layer_reason(layer) -> Optional[str]:
     if len(formats) != 1 or next(iter(formats)) not in _LINEAR_FORMATS:
         names = sorted("float32 weights" if kind is type(None) else kind.__name__ for kind in formats)
         return f"its linears use {', '.join(names)}, not one format the stack runs"
+    for linear in linears:
+        segments = getattr(linear.kernel, "segments", None)
+        if segments is not None and (len(segments) != 1 or segments[0].ggml_type is None):
+            return "a GGUF linear whose rows mix block types or dense rows"
+    if formats == {GgufLinear} and layer.input_layernorm.weight.dtype != torch.float32:
+        return "GGUF blocks need float32 activations"
     return None
 
 
