@@ -304,6 +304,26 @@ TEST(DecoderStack, NamesBadArguments) {
   const Linear wrong(kHidden, kQ, rng);  // qkv without its k and v blocks
   w.qkv = wrong.view();
   expect_error([&] { stack->add_layer(w); }, "DecoderStack: qkv must map 32 to 64 features, got 32 to 32");
+  // GGUF blocks are raw bytes [out, row bytes], multiplied under float32 activations only.
+  w.qkv = model.layers[0].qkv.view();
+  w.qkv.format = ops::LinearFormat::kGguf;
+  w.qkv.ggml_type = 8;  // Q8_0
+  expect_error([&] { stack->add_layer(w); }, "DecoderStack: qkv");
+  HostTensor<BFloat16> bf16_norm_weight({kHidden});
+  HostTensor<float> blocks_as_float({kVocab, 34});
+  HostTensor<uint8_t> blocks({kVocab, 34});
+  expect_error(
+      [&] {
+        DecoderStack(DecoderShape{kHidden, kHeads, kKvHeads, kHeadDim, kInter, true}, blocks_as_float.view(),
+                     NormWeights{model.final_norm.view(), kEps}, -1, /*embedding_ggml_type=*/8);
+      },
+      "DecoderStack: embedding");
+  expect_error(
+      [&] {
+        DecoderStack(DecoderShape{kHidden, kHeads, kKvHeads, kHeadDim, kInter, true}, blocks.view(),
+                     NormWeights{bf16_norm_weight.view(), kEps}, -1, /*embedding_ggml_type=*/8);
+      },
+      "DecoderStack: an embedding in GGUF blocks needs float32 activations");
 }
 
 }  // namespace

@@ -31,6 +31,7 @@ constexpr DType dtype_of() {
   if constexpr (std::is_same_v<T, BFloat16>) return DType::kBFloat16;
   if constexpr (std::is_same_v<T, int32_t>) return DType::kInt32;
   if constexpr (std::is_same_v<T, int64_t>) return DType::kInt64;
+  if constexpr (std::is_same_v<T, uint8_t>) return DType::kUInt8;
 }
 
 // A contiguous tensor owning its storage; view() lends it to an op.
