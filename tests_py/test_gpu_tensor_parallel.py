@@ -21,12 +21,10 @@ import time
 import pytest
 import torch
 
-from pagedserve import LLM, SamplingParams, _core
-from pagedserve.errors import EngineDeadError
-from hf_helpers import make_hf_model
+from pagedserve import LLM, _core
 from test_gpu_families import GPU_SHAPE, hf_model_for_gpu
-from test_model_families import prompts
-from test_tensor_parallel import batch, check_same, children, rank_pid, run
+from test_tensor_parallel import (batch, check_same, check_whole_and_prefix_cached, children, kill_rank_1_mid_run,
+                                  llama_one_kv_head, rank_pid, run, tp1_baseline)
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and _core.has_cuda and torch.cuda.device_count() >= 2),
@@ -38,11 +36,7 @@ CASES = ["llama_one_kv_head", "qwen3_moe_norm_topk_sparse_step", "gemma"]
 
 def hf_model(name: str):
     """The CPU tests' cases at a head size the CUDA kernels are built for (64)."""
-    if name == "llama_one_kv_head":
-        from transformers import LlamaConfig
-
-        return make_hf_model(LlamaConfig, seed=3, **{**GPU_SHAPE, "num_key_value_heads": 1})
-    return hf_model_for_gpu(name)
+    return llama_one_kv_head(GPU_SHAPE) if name == "llama_one_kv_head" else hf_model_for_gpu(name)
 
 
 def make_llm(path, tp: int, **options) -> LLM:
@@ -52,25 +46,12 @@ def make_llm(path, tp: int, **options) -> LLM:
 
 @pytest.fixture(scope="module", params=CASES)
 def case(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model(request.param).save_pretrained(path)
-    tp1 = make_llm(path, 1)
-    baseline = run(tp1, batch())
-    tp1.shutdown()
-    return request.param, path, baseline
+    return tp1_baseline(tmp_path_factory, request.param, hf_model(request.param), make_llm)
 
 
 def test_nccl_tp2_equals_tp1_with_cuda_graphs_and_prefix_hits(case):
     name, path, baseline = case
-    llm = make_llm(path, 2)
-    try:
-        worst = check_same(run(llm, batch()), baseline, TOL)
-        repeated, shared = batch()[2], batch()[-1]
-        again = run(llm, [repeated, shared])
-        assert again[0].num_cached_tokens >= 32 and again[1].num_cached_tokens >= 16
-        worst = max(worst, check_same(again, baseline, TOL))
-    finally:
-        llm.shutdown()
+    worst = check_whole_and_prefix_cached(make_llm(path, 2), baseline, 16, TOL)
     print(f"\n{name}: NCCL TP=2 vs TP=1 max |logprob difference| = {worst:.1e}")
 
 
@@ -100,20 +81,9 @@ def test_killed_rank_fails_the_engine_and_frees_its_gpu(tmp_path):
     hf_model("llama_one_kv_head").save_pretrained(tmp_path)
     before = children()
     llm = make_llm(tmp_path, 2)
-    engine = llm.llm_engine
     victim = rank_pid(llm, 1)
     assert victim in gpu_processes(1)
-    for i, p in enumerate(prompts()):
-        engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=64))
-    for _ in range(3):
-        engine.step()
-    os.kill(victim, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(EngineDeadError) as raised:
-        while True:
-            engine.step()
-    assert time.monotonic() - start < 5.0
-    assert raised.value.who == "rank 1" and "SIGKILL" in raised.value.why
+    kill_rank_1_mid_run(llm)
     llm.shutdown()
     assert children() - before == set(), "no rank process outlives the engine"
     deadline = time.monotonic() + 10.0
@@ -125,10 +95,8 @@ def test_killed_rank_fails_the_engine_and_frees_its_gpu(tmp_path):
 # -- the server ----------------------------------------------------------------------------------------------------
 
 def test_server_tp2_killed_rank_gives_503_exits_1_and_frees_the_gpus():
-    import httpx
-
     from server_process import ServerProcess
-    from test_server_tensor_parallel import alive, completions, rank_processes
+    from test_server_tensor_parallel import alive, completions, health_503_within, rank_processes
 
     with ServerProcess("--device", "cuda", "--tensor-parallel-size", "2", "--max-model-len", "256",
                        "--kv-cache-memory-gb", "1") as server:
@@ -137,16 +105,7 @@ def test_server_tp2_killed_rank_gives_503_exits_1_and_frees_the_gpus():
         assert len(ranks) == 1 and ranks[0].pid in gpu_processes(1)
         holders = gpu_processes(0) | gpu_processes(1)
         os.kill(ranks[0].pid, signal.SIGKILL)
-        killed_at, health = time.monotonic(), None
-        while health is None and time.monotonic() - killed_at < 6:
-            try:
-                response = httpx.get(server.url + "/health", timeout=2)
-            except httpx.TransportError:
-                break
-            health = response.json() if response.status_code == 503 else None
-            time.sleep(0.05)
-        assert health is not None and time.monotonic() - killed_at < 5, "/health did not answer 503 within 5 s"
-        assert "rank 1" in health["error"], health
+        assert "rank 1" in health_503_within(server, 5.0)["error"]
         assert server.wait(timeout=20) == 1, server.log()
         deadline = time.monotonic() + 10
         while holders & (gpu_processes(0) | gpu_processes(1)) and time.monotonic() < deadline:

@@ -50,12 +50,14 @@ PREEMPT_KV_BLOCKS = 20  # each request alone fits (at most 15 blocks of 4), two 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def hf_model(name: str):
-    if name == "llama_one_kv_head":
-        from transformers import LlamaConfig
+def llama_one_kv_head(shape: dict):
+    from transformers import LlamaConfig
 
-        return make_hf_model(LlamaConfig, seed=3, **{**COMMON, "num_key_value_heads": 1})
-    return hf_family_model(name)
+    return make_hf_model(LlamaConfig, seed=3, **{**shape, "num_key_value_heads": 1})
+
+
+def hf_model(name: str):
+    return llama_one_kv_head(COMMON) if name == "llama_one_kv_head" else hf_family_model(name)
 
 
 def make_llm(path, tp: int, **options) -> LLM:
@@ -99,27 +101,39 @@ def batch() -> list[list[int]]:
     return ps + [shared]
 
 
+def tp1_baseline(directory, name: str, model, make) -> tuple:
+    """(name, checkpoint dir, TP = 1 outputs of the batch): model saved under directory, run by make(path, 1)."""
+    path = directory.mktemp(name)
+    model.save_pretrained(path)
+    tp1 = make(path, 1)
+    try:
+        return name, path, run(tp1, batch())
+    finally:
+        tp1.shutdown()
+
+
 @pytest.fixture(scope="module", params=CASES)
 def case(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(request.param)
-    hf_model(request.param).save_pretrained(path)
-    tp1 = make_llm(path, 1)
-    baseline = run(tp1, batch())
-    tp1.shutdown()
-    return request.param, path, baseline
+    return tp1_baseline(tmp_path_factory, request.param, hf_model(request.param), make_llm)
+
+
+def check_whole_and_prefix_cached(llm: LLM, baseline, block: int, tol: float = TOL) -> float:
+    """The batch, then a repeated prompt and one sharing its first 28 tokens, which hit the prefix cache
+    (every whole block of them): outputs as the baseline's; the largest logprob difference. Shuts llm down."""
+    try:
+        worst = check_same(run(llm, batch()), baseline, tol)
+        repeated, shared = batch()[2], batch()[-1]
+        again = run(llm, [repeated, shared])
+        assert again[0].num_cached_tokens >= (len(repeated) - 1) // block * block
+        assert again[1].num_cached_tokens >= 28 // block * block
+        return max(worst, check_same(again, baseline, tol))
+    finally:
+        llm.shutdown()
 
 
 def test_tp2_equals_tp1_whole_and_prefix_cached(case):
     name, path, baseline = case
-    llm = make_llm(path, 2)
-    try:
-        worst = check_same(run(llm, batch()), baseline)
-        repeated, shared = batch()[2], batch()[-1]
-        again = run(llm, [repeated, shared])
-        assert again[0].num_cached_tokens >= 36 and again[1].num_cached_tokens >= 28
-        worst = max(worst, check_same(again, baseline))
-    finally:
-        llm.shutdown()
+    worst = check_whole_and_prefix_cached(make_llm(path, 2), baseline, BLOCK)
     print(f"\n{name}: TP=2 vs TP=1 max |logprob difference| = {worst:.1e}")
 
 
@@ -184,6 +198,15 @@ def rank_pid(llm: LLM, rank: int) -> int:
 def test_killed_rank_mid_run_fails_the_engine_naming_it(llama_path):
     before = children()
     llm = make_llm(llama_path, 2)
+    kill_rank_1_mid_run(llm)
+    with pytest.raises(EngineDeadError, match="rank 1"):  # and it stays dead
+        llm.llm_engine.check_health()
+    llm.shutdown()
+    assert children() - before == set(), "no rank process outlives the engine"
+
+
+def kill_rank_1_mid_run(llm: LLM) -> None:
+    """Three steps of a batch, then rank 1 SIGKILLed: the next steps raise EngineDeadError naming it within 5 s."""
     engine = llm.llm_engine
     for i, p in enumerate(prompts()):
         engine.add_request(str(i), {"prompt_token_ids": p}, SamplingParams(temperature=0.0, max_tokens=64))
@@ -196,10 +219,6 @@ def test_killed_rank_mid_run_fails_the_engine_naming_it(llama_path):
             engine.step()
     assert time.monotonic() - start < 5.0
     assert raised.value.who == "rank 1" and "SIGKILL" in raised.value.why
-    with pytest.raises(EngineDeadError, match="rank 1"):  # and it stays dead
-        engine.check_health()
-    llm.shutdown()
-    assert children() - before == set(), "no rank process outlives the engine"
 
 
 def test_rank_killed_while_idle_is_noticed_by_check_health(llama_path):
