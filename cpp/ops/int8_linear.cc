@@ -34,6 +34,7 @@
 #include "ops/op_contracts.h"
 #include "ops/ops.h"
 #include "ops/parallel.h"
+#include "ops/tile_kernel_driver.h"
 
 namespace pagedserve::ops {
 namespace {
@@ -154,44 +155,13 @@ template <int kRows>
   }
 }
 
-template <int kRows = kVecRows>
-void block_vnni_dispatch(int rows, const Int8Problem& p, int64_t t, bool pair, int64_t row0) {
-  if constexpr (kRows >= 1) {
-    if (rows == kRows) return block_vnni<kRows>(p, t, pair, row0);
-    return block_vnni_dispatch<kRows - 1>(rows, p, t, pair, row0);
-  }
-}
-
 void tile_pair_vnni(const Int8Problem& p, int64_t t, int64_t row_begin, int64_t row_end) {
   const bool pair = t + 1 < int8_col_tiles(p.out_features);
-  const int64_t rows = row_end - row_begin;
-  const int64_t blocks = (rows + kVecRows - 1) / kVecRows;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t begin = row_begin + rows * b / blocks;
-    const int64_t end = row_begin + rows * (b + 1) / blocks;
-    block_vnni_dispatch(static_cast<int>(end - begin), p, t, pair, begin);
-  }
+  for_row_blocks<kVecRows>(row_begin, row_end, [&]<int kRows>(int64_t row0) { block_vnni<kRows>(p, t, pair, row0); });
 }
 
 // ---------------------------------------------------------------------------
 // AMX int8: tiles of 16 rows x 16 columns, K chunks of 64.
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-[[gnu::target("arch=x86-64-v4,amx-tile,amx-int8")]] void configure_tiles() {
-  TileConfig config;
-  for (int i = 0; i < 8; ++i) {
-    config.rows[i] = kAmxRows;
-    config.bytes_per_row[i] = 64;
-  }
-  _tile_loadconfig(&config);
-}
 
 // One block (64 of K) per tile product, s8 x times u8 weights; each block's
 // int32 sums leave the tile registers to be scaled into float accumulators.
@@ -228,17 +198,9 @@ struct alignas(64) TileConfig {
   }
 }
 
-[[gnu::target("arch=x86-64-v4,amx-tile,amx-int8")]] void run_pairs_amx(const Int8Problem& p, int64_t pair_begin,
-                                                                        int64_t pair_end, int64_t row_begin,
-                                                                        int64_t row_end) {
-  configure_tiles();
-  const int64_t tiles = int8_col_tiles(p.out_features);
-  for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
-    for (int64_t row0 = row_begin; row0 < row_end; row0 += kAmxRows) {
-      tile_pair_amx(p, row0, std::min(kAmxRows, row_end - row0), 2 * pair, 2 * pair + 1 < tiles);
-    }
-  }
-  _tile_release();
+void run_pairs_amx(const Int8Problem& p, int64_t pair_begin, int64_t pair_end, int64_t row_begin, int64_t row_end) {
+  for_amx_tile_pairs(int8_col_tiles(p.out_features), pair_begin, pair_end, row_begin, row_end,
+                     [&](int64_t row0, int64_t rows, int64_t t, bool pair) { tile_pair_amx(p, row0, rows, t, pair); });
 }
 
 #pragma GCC diagnostic pop

@@ -31,6 +31,7 @@
 #include "ops/ops.h"
 #include "ops/packed_weight_layout.h"
 #include "ops/parallel.h"
+#include "ops/tile_kernel_driver.h"
 
 namespace pagedserve::ops {
 namespace {
@@ -39,7 +40,7 @@ namespace {
 constexpr int64_t kRowChunk = 128;
 // Rows per register block: one AMX tile's rows; for AVX-512, 2 x 12
 // accumulators + 2 weight vectors + a broadcast fill the 32 zmm registers.
-constexpr int kBlockRows = 16;
+constexpr int kBlockRows = 16;  // kAmxTileRows (tile_kernel_driver.h)
 constexpr int kAvx512BlockRows = 12;
 constexpr int64_t kTileWords = kPackedCols;  // 32-bit words (bf16 pairs) per packed row
 
@@ -143,36 +144,15 @@ template <int kRows>
   }
 }
 
-template <int kRows = kAvx512BlockRows>
-void block_avx512_dispatch(int rows, const LinearProblem& p, int64_t t, bool pair, int64_t row0) {
-  if constexpr (kRows >= 1) {
-    if (rows == kRows) return block_avx512<kRows>(p, t, pair, row0);
-    return block_avx512_dispatch<kRows - 1>(rows, p, t, pair, row0);
-  }
-}
-
 // Rows [row_begin, row_end) x tiles t, t + 1, in balanced blocks of at most kAvx512BlockRows.
 void tile_pair_avx512(const LinearProblem& p, int64_t t, int64_t row_begin, int64_t row_end) {
   const bool pair = t + 1 < packed_col_tiles(p.out_features);
-  const int64_t rows = row_end - row_begin;
-  const int64_t blocks = (rows + kAvx512BlockRows - 1) / kAvx512BlockRows;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t begin = row_begin + rows * b / blocks;
-    const int64_t end = row_begin + rows * (b + 1) / blocks;
-    block_avx512_dispatch(static_cast<int>(end - begin), p, t, pair, begin);
-  }
+  for_row_blocks<kAvx512BlockRows>(row_begin, row_end,
+                                   [&]<int kRows>(int64_t row0) { block_avx512<kRows>(p, t, pair, row0); });
 }
 
 // ---------------------------------------------------------------------------
 // AMX, in tiles of 16 rows x 16 columns with K chunks of 32.
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // x as bf16 terms: [row blocks][3 terms][16 rows][K_pad], zero-padded; term
 // i of a value is bf16(value - terms 0..i-1), exact since each subtraction is.
@@ -219,15 +199,6 @@ SplitRows split_rows(const LinearProblem& p, int64_t row_begin, int64_t row_end)
     }
   }
   return split;
-}
-
-[[gnu::target("arch=x86-64-v4,amx-tile,amx-bf16")]] void configure_tiles() {
-  TileConfig config;
-  for (int i = 0; i < 8; ++i) {
-    config.rows[i] = kBlockRows;
-    config.bytes_per_row[i] = 64;
-  }
-  _tile_loadconfig(&config);
 }
 
 // Column tiles t and t + 1 (t + 1 may be past the end: then it is neither
@@ -278,19 +249,12 @@ SplitRows split_rows(const LinearProblem& p, int64_t row_begin, int64_t row_end)
   }
 }
 
-[[gnu::target("arch=x86-64-v4,amx-tile,amx-bf16")]] void run_pairs_amx(const LinearProblem& p,
-                                                                        const SplitRows& split, int64_t pair_begin,
-                                                                        int64_t pair_end, int64_t row_begin,
-                                                                        int64_t row_end) {
-  configure_tiles();
-  const int64_t tiles = packed_col_tiles(p.out_features);
-  for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
-    const int64_t t = 2 * pair;
-    for (int64_t row0 = row_begin, block = 0; row0 < row_end; row0 += kBlockRows, ++block) {
-      tile_pair_amx(p, split, block, row0, std::min<int64_t>(kBlockRows, row_end - row0), t, t + 1 < tiles);
-    }
-  }
-  _tile_release();  // a thread holding no tile state keeps context switches cheap
+void run_pairs_amx(const LinearProblem& p, const SplitRows& split, int64_t pair_begin, int64_t pair_end,
+                   int64_t row_begin, int64_t row_end) {
+  for_amx_tile_pairs(packed_col_tiles(p.out_features), pair_begin, pair_end, row_begin, row_end,
+                     [&](int64_t row0, int64_t rows, int64_t t, bool pair) {
+                       tile_pair_amx(p, split, (row0 - row_begin) / kBlockRows, row0, rows, t, pair);
+                     });
 }
 
 #pragma GCC diagnostic pop

@@ -1,0 +1,94 @@
+// How the tiled CPU matrix kernels walk a product, shared by the three that
+// multiply 16-column weight tiles: packed_linear (bf16 tiles, float32 x),
+// packed_linear_bf16 (bf16 tiles, bf16 x) and int8_linear (int8 tiles).
+//
+// Each kernel computes a block of rows of x against a pair of column tiles,
+// its accumulators in registers: n rows x 2 tiles of 16 outputs, n a
+// compile-time constant so the accumulators can be named registers. This
+// header holds the walk around that block, which is the same for all three:
+//  - for_row_blocks: rows cut into balanced blocks of at most kMaxRows
+//    (13 rows as 7 + 6, not 12 + 1), each handed to the block kernel
+//    instantiated for its row count;
+//  - AMX: the one tile configuration they use (every register 16 rows of 64
+//    bytes), and the walk of tile pairs x 16-row blocks in one thread.
+// Column tiles are split across threads by the callers and no K sum is, so a
+// row's result never depends on the batch or the thread count.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "ops/cpu_isa.h"
+
+#if PS_X86_MULTIVERSION
+#include <immintrin.h>
+#endif
+
+namespace pagedserve::ops {
+
+namespace tile_driver_detail {
+
+template <int kRows, typename Block>
+PS_ALWAYS_INLINE void with_rows(int rows, int64_t row0, Block& block) {
+  if constexpr (kRows >= 1) {
+    if (rows == kRows) return block.template operator()<kRows>(row0);
+    return with_rows<kRows - 1>(rows, row0, block);
+  }
+}
+
+}  // namespace tile_driver_detail
+
+// Rows [row_begin, row_end) in balanced blocks of at most kMaxRows rows:
+// block.template operator()<n>(row0) for each, n its row count.
+template <int kMaxRows, typename Block>
+void for_row_blocks(int64_t row_begin, int64_t row_end, Block&& block) {
+  const int64_t rows = row_end - row_begin;
+  const int64_t blocks = (rows + kMaxRows - 1) / kMaxRows;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t begin = row_begin + rows * b / blocks;
+    const int64_t end = row_begin + rows * (b + 1) / blocks;
+    tile_driver_detail::with_rows<kMaxRows>(static_cast<int>(end - begin), begin, block);
+  }
+}
+
+#if PS_X86_MULTIVERSION
+
+inline constexpr int64_t kAmxTileRows = 16;  // rows of x per tile product (one tile register's rows)
+
+// Loads the tile configuration every kernel uses: registers 0-7 of 16 rows x 64 bytes.
+[[gnu::target("arch=x86-64-v4,amx-tile")]] inline void configure_amx_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int i = 0; i < 8; ++i) {
+    config.rows[i] = kAmxTileRows;
+    config.bytes_per_row[i] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+[[gnu::target("arch=x86-64-v4,amx-tile")]] inline void release_amx_tiles() { _tile_release(); }
+
+// Tile pairs [pair_begin, pair_end) of a weight of `tiles` column tiles against rows [row_begin, row_end)
+// in 16-row blocks, in this thread: tile_pair(row0, rows, t, pair) per block, t the pair's first tile and
+// pair whether tile t + 1 exists. The tiles are configured first and released after (a thread holding no
+// tile state keeps context switches cheap).
+template <typename TilePair>
+void for_amx_tile_pairs(int64_t tiles, int64_t pair_begin, int64_t pair_end, int64_t row_begin, int64_t row_end,
+                        TilePair&& tile_pair) {
+  configure_amx_tiles();
+  for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
+    for (int64_t row0 = row_begin; row0 < row_end; row0 += kAmxTileRows) {
+      tile_pair(row0, std::min(kAmxTileRows, row_end - row0), 2 * pair, 2 * pair + 1 < tiles);
+    }
+  }
+  release_amx_tiles();
+}
+
+#endif
+
+}  // namespace pagedserve::ops
