@@ -12,9 +12,10 @@
 //         0..15 / 0..31, scale d sc_j and min -dmin m_j, decoded once per super-block and row.
 //   Q6_K  codes 0..63 unsigned; the format's -32 as Q4_0's -8; the two 16-weight scales of a
 //         32-weight block sit in lanes 0-3 and 4-7 (each lane sums 4 consecutive weights).
-//   Q8_0  both signed: the roles swap, x_q + 128 (unsigned, x_q >= -127)
-//         by the weight codes, less 128 sum(w) per lane (one vpdpbusd of 128s
-//         by the weight block, shared by the rows of x).
+//   Q8_0  both signed: the codes become w + 128 (unsigned), less 128 sum(x_q)
+//         per lane, as Q4_0's -8 (shared by the 4 weight rows; computed from
+//         the weights instead it cost one more vpdpbusd per weight block and
+//         row at M = 1, and the Q8_0 LM head ran at 10 GB/s against Q4_1's 14).
 // Each block's int32 lanes are converted to float and scaled by
 // d_w d_x (one rounding for the product, then a fused multiply-add into
 // the row's 8-lane accumulator); the lanes are added at the end in a fixed
@@ -102,12 +103,11 @@ PS_VNNI_INLINE __m256i nibbles(const uint8_t* p) {  // 16 bytes -> 32 codes: low
   return _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f));
 }
 
-// One weight block in registers; `offset` is Q8_0's -128 sum(w) per lane.
+// One weight block in registers.
 struct WeightBlock {
-  __m256i codes;
-  __m256 scale;  // per lane: Q6_K's lanes 0-3 and 4-7 hold its two 16-weight scales
-  __m256 min;    // Q4_1, Q4_K, Q5_K
-  __m256i offset;
+  __m256i codes;  // unsigned (Q8_0: w + 128)
+  __m256 scale;   // per lane: Q6_K's lanes 0-3 and 4-7 hold its two 16-weight scales
+  __m256 min;     // Q4_1, Q4_K, Q5_K
 };
 
 constexpr bool is_k_quant(BlockType t) {
@@ -183,9 +183,7 @@ PS_VNNI_INLINE WeightBlock load_weight(const SuperBlock& sb, int j) {
     w.codes = nibbles(p + 4);
   } else if constexpr (kType == BlockType::kQ8_0) {
     w.scale = _mm256_set1_ps(half_value(p));
-    w.codes = load32(p + 2);
-    const __m256i zero = _mm256_setzero_si256();
-    w.offset = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(static_cast<char>(0x80)), w.codes));
+    w.codes = _mm256_xor_si256(load32(p + 2), _mm256_set1_epi8(static_cast<char>(0x80)));  // w + 128
   } else if constexpr (kType == BlockType::kQ4_K || kType == BlockType::kQ5_K) {
     // Sub-blocks 2g and 2g + 1 share the 32 nibble bytes [32 g, 32 g + 32): low, then high halves.
     const uint8_t* q = p + (kType == BlockType::kQ4_K ? 16 : 48) + 32 * (j / 2);
@@ -210,9 +208,9 @@ PS_VNNI_INLINE WeightBlock load_weight(const SuperBlock& sb, int j) {
 
 // One block of a row of x in registers, prepared for the format.
 struct XBlock {
-  __m256i q;       // x_q (Q8_0: x_q + 128, as unsigned bytes)
+  __m256i q;       // x_q
   __m256 scale;    // d_x
-  __m256i offset;  // Q4_0: -8 sum(x_q) per lane; Q6_K: -32 sum(x_q)
+  __m256i offset;  // Q4_0: -8 sum(x_q) per lane; Q6_K: -32 sum(x_q); Q8_0: -128 sum(x_q)
   __m256 sums;     // Q4_1, Q4_K, Q5_K: sum(x_q) per lane, as float
 };
 
@@ -222,13 +220,12 @@ PS_VNNI_INLINE XBlock load_x(const int8_t* q, float d) {
   x.q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
   x.scale = _mm256_set1_ps(d);
   const __m256i zero = _mm256_setzero_si256();
-  if constexpr (kType == BlockType::kQ4_0 || kType == BlockType::kQ6_K) {
-    const int code_offset = kType == BlockType::kQ4_0 ? 8 : 32;
-    x.offset = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(code_offset), x.q));
-  } else if constexpr (kType == BlockType::kQ4_1 || kType == BlockType::kQ4_K || kType == BlockType::kQ5_K) {
+  if constexpr (kType == BlockType::kQ4_1 || kType == BlockType::kQ4_K || kType == BlockType::kQ5_K) {
     x.sums = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(zero, _mm256_set1_epi8(1), x.q));
-  } else {
-    x.q = _mm256_xor_si256(x.q, _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else {  // the codes' offset (unsigned bytes: 128 as 0x80)
+    const int code_offset = kType == BlockType::kQ4_0 ? 8 : kType == BlockType::kQ6_K ? 32 : 128;
+    const __m256i offsets = _mm256_set1_epi8(static_cast<char>(code_offset));
+    x.offset = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, offsets, x.q));
   }
   return x;
 }
@@ -236,15 +233,12 @@ PS_VNNI_INLINE XBlock load_x(const int8_t* q, float d) {
 // acc += this block's contribution to one output, 8 lanes.
 template <BlockType kType>
 PS_VNNI_INLINE __m256 accumulate(const WeightBlock& w, const XBlock& x, __m256 acc) {
-  if constexpr (kType == BlockType::kQ4_0 || kType == BlockType::kQ6_K) {
-    const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(x.offset, w.codes, x.q));
-    return _mm256_fmadd_ps(dot, _mm256_mul_ps(w.scale, x.scale), acc);
-  } else if constexpr (kType == BlockType::kQ4_1 || kType == BlockType::kQ4_K || kType == BlockType::kQ5_K) {
+  if constexpr (kType == BlockType::kQ4_1 || kType == BlockType::kQ4_K || kType == BlockType::kQ5_K) {
     const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w.codes, x.q));
     const __m256 block = _mm256_fmadd_ps(dot, w.scale, _mm256_mul_ps(w.min, x.sums));
     return _mm256_fmadd_ps(block, x.scale, acc);
-  } else {
-    const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(w.offset, x.q, w.codes));
+  } else {  // Q4_0, Q6_K, Q8_0: the offset starts the integer sum
+    const __m256 dot = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(x.offset, w.codes, x.q));
     return _mm256_fmadd_ps(dot, _mm256_mul_ps(w.scale, x.scale), acc);
   }
 }
@@ -285,6 +279,10 @@ PS_VNNI void dot_tile(const LinearArgs& a, const QuantizedX& qx, const Tile& t, 
         const char* block = reinterpret_cast<const char*>(next + r * a.row_bytes);
         for (int line = 0; line < 4; ++line) _mm_prefetch(block + 64 * line, _MM_HINT_T0);
       }
+    } else if (s % 2 == 0) {
+      // The same for the 18- to 34-byte blocks: the next tile's line holding blocks s and s + 1, per row.
+      const uint8_t* next = t.rows[0] + kTileRows * a.row_bytes + (a.row_bytes / blocks) * s;
+      for (int r = 0; r < kTileRows; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * a.row_bytes), _MM_HINT_T0);
     }
 #pragma GCC unroll 8
     for (int j = 0; j < kSub; ++j) {
