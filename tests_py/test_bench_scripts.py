@@ -44,8 +44,9 @@ SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py"
            "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py", "perf/moe_bench.py",
            "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py",
            "perf/gguf_bench.py", "perf/cpu_serving_bench.py", "perf/cpu_rss_breakdown.py", "perf/tp_bench.py",
-           "perf/tp_comm_model.py",
+           "perf/tp_comm_model.py", "perf/dp_engine_bench.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/cpu_precision_agreement.py",
+           "numerics/tp_agreement.py",
            "numerics/sdpa_numerics.py",
            "numerics/norm_numerics.py", "numerics/softmax_numerics.py"]
 
@@ -68,8 +69,10 @@ def test_committed_results_record_the_versions_they_compare():
     for path in paths:
         data = json.loads(path.read_text())
         assert {"pagedserve", "pagedserve_commit", "torch"} <= set(data["versions"]), path
-        if path.stem.startswith(("throughput_", "cpu_throughput_", "bf16_agreement")):
-            assert "transformers" in data["versions"], path
+        rows = data.get("rows", [])
+        compared = any(row.get("engine", "pagedserve") != "pagedserve" for row in rows) or not rows
+        if path.stem.startswith(("throughput_", "cpu_throughput_", "bf16_agreement")) and compared:
+            assert "transformers" in data["versions"], path  # a --no-hf run compares nothing
         assert "processor" in data["machine"] or "gpu" in data["machine"], path
 
 
@@ -207,6 +210,16 @@ def test_dp_bench_quick(tmp_path):
     assert [r["data_parallel_size"] for r in rows] == [1, 2]
     assert all(r["completed"] == 16 and r["failed"] == 0 and r["output_token_throughput"] > 0 for r in rows)
     assert len(rows[1]["replicas"]) == 2 and sum(r["prompt_tokens"] for r in rows[1]["replicas"]) == 16 * 32
+
+
+def test_dp_engine_bench_quick(tmp_path):
+    run_script("perf/dp_engine_bench.py", "--quick", "--out", str(tmp_path), timeout=600)
+    data = load(tmp_path, "dp_engine_cpu_default_quick")
+    rows = data["rows"]
+    assert [r["data_parallel_size"] for r in rows] == [1, 2]
+    assert all(r["requests"] == 8 and r["output_tokens"] == 8 * data["output_len"] and r["output_tok_s"] > 0
+               for r in rows)
+    assert rows[0]["x_vs_dp1"] == 1.0
 
 
 def test_make_results_renders_every_result(tmp_path):
