@@ -22,7 +22,6 @@ real weights.
 from __future__ import annotations
 
 import gc
-import random
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model_shapes import SHAPES  # noqa: E402
 from common.report import arg_parser, markdown_table, require_cuda, save  # noqa: E402
+from perf.throughput import prompts_for  # noqa: E402
 
 from pagedserve.testing.agreement import N_TOKENS, agreement_prompts, hf_greedy  # noqa: E402
 
@@ -138,9 +138,8 @@ def main() -> None:
         from pagedserve.models.default_model import default_model_dir
 
         prompts = agreement_prompts(AutoTokenizer.from_pretrained(default_model_dir()))
-    else:  # random weights need no words: 32 seeded prompts of 6..24 token ids
-        rng = random.Random(0)
-        prompts = [[rng.randrange(100, 30000) for _ in range(rng.randrange(6, 25))] for _ in range(32)]
+    else:  # random weights need no words: 32 seeded prompts of 16 token ids
+        prompts = prompts_for(32, 16, 30000)
     prompts = prompts[:8] if args.quick else prompts
     rows = []
     with tempfile.TemporaryDirectory(prefix="tp-agreement-") as root:

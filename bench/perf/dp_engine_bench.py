@@ -14,7 +14,7 @@ Results: bench/results/dp_engine_<device>_<shape>.json and .md.
 
 from __future__ import annotations
 
-import random
+import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model_shapes import shape_dir  # noqa: E402
 from common.report import arg_parser, markdown_table, save  # noqa: E402
+from perf.throughput import prompts_for  # noqa: E402
 
 
 def make_engine(args, model_dir: Path, load_format: str, dp: int):
@@ -83,14 +84,11 @@ def main() -> None:
         args.device, args.concurrency, args.requests_per_slot, args.prompt_len, args.output_len = "cpu", 8, 1, 16, 8
     if args.shape == "default":
         from pagedserve.models.default_model import default_model_dir
-        model_dir, load_format, vocab = default_model_dir(), "auto", 49152
+        model_dir, load_format = default_model_dir(), "auto"
     else:
         model_dir, load_format = shape_dir(args.shape), "dummy"
-        import json
-        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, vocab - 1) for _ in range(args.prompt_len)]
-               for _ in range(args.concurrency * args.requests_per_slot)]
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = prompts_for(args.concurrency * args.requests_per_slot, args.prompt_len, vocab)
     rows = [measure(args, model_dir, load_format, dp, prompts) for dp in args.dp]
     for row in rows:
         row["x_vs_dp1"] = row["output_tok_s"] / rows[0]["output_tok_s"]

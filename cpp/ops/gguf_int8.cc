@@ -269,20 +269,18 @@ PS_VNNI void dot_tile(const LinearArgs& a, const QuantizedX& qx, const Tile& t, 
     SuperBlock sb[kTileRows];
 #pragma GCC unroll 4
     for (int r = 0; r < kTileRows; ++r) sb[r] = load_super<kType>(t.rows[r], s);
-    if constexpr (is_k_quant(kType)) {
-      // The next tile's super-block s (its rows follow this tile's): 4 lines per row from the
-      // block's start, 256 bytes for its 144 to 210. Without it a Q5_K LM head streaming from DRAM ran at ~3.4 GB/s
-      // instead of ~6 (49152 x 768, one thread, busy Zen 4); the last tile reads one tile past the
-      // weight only as a prefetch, which never faults.
+    // The next tile's block s (its rows follow this tile's), per row: a K-quant's 144 to 210 bytes are 4
+    // lines from its start; the 18- to 34-byte blocks, one line every other block. Without it a Q5_K LM head
+    // streaming from DRAM ran at ~3.4 GB/s instead of ~6 (49152 x 768, one thread, busy Zen 4), and the
+    // Q8_0 one at ~10 GB/s instead of ~23 (49152 x 576, two threads). The last tile reads one tile past
+    // the weight only as a prefetch, which never faults.
+    constexpr int kLines = is_k_quant(kType) ? 4 : 1;
+    if (is_k_quant(kType) || s % 2 == 0) {
       const uint8_t* next = t.rows[0] + kTileRows * a.row_bytes + (a.row_bytes / (blocks / kSub)) * s;
       for (int r = 0; r < kTileRows; ++r) {
         const char* block = reinterpret_cast<const char*>(next + r * a.row_bytes);
-        for (int line = 0; line < 4; ++line) _mm_prefetch(block + 64 * line, _MM_HINT_T0);
+        for (int line = 0; line < kLines; ++line) _mm_prefetch(block + 64 * line, _MM_HINT_T0);
       }
-    } else if (s % 2 == 0) {
-      // The same for the 18- to 34-byte blocks: the next tile's line holding blocks s and s + 1, per row.
-      const uint8_t* next = t.rows[0] + kTileRows * a.row_bytes + (a.row_bytes / blocks) * s;
-      for (int r = 0; r < kTileRows; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * a.row_bytes), _MM_HINT_T0);
     }
 #pragma GCC unroll 8
     for (int j = 0; j < kSub; ++j) {

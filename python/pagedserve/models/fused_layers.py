@@ -81,8 +81,7 @@ class FusedDecoderStack:
             gate_up=_dl(weights[2]), gate_up_bias=_optional(mlp.gate_up_proj.bias),
             down=_dl(weights[3]), down_bias=_optional(mlp.down_proj.bias),
             linear_format=_LINEAR_FORMATS[type(kernels[0])],
-            ggml_types=[kernel.segments[0].ggml_type for kernel in kernels] if isinstance(kernels[0], GgufLinear)
-            else [])
+            ggml_types=[k.one_segment.ggml_type for k in kernels] if isinstance(kernels[0], GgufLinear) else [])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                  kv_cache: torch.Tensor) -> torch.Tensor:
@@ -97,7 +96,7 @@ class FusedDecoderStack:
 
 def _weight(kernel) -> torch.Tensor:
     """The tensor the stack multiplies by: bf16 tiles, or a GgufLinear's one block matrix."""
-    return kernel.segments[0].weight if isinstance(kernel, GgufLinear) else kernel.packed
+    return kernel.one_segment.weight if isinstance(kernel, GgufLinear) else kernel.packed
 
 
 def _optional(tensor: Optional[torch.Tensor]):
@@ -111,7 +110,9 @@ def unfusable_reason(model: DecoderModel) -> Optional[str]:
         return f"the embedding table is kept as {type(lookup).__name__}"
     if model.norm.weight.device.type != "cpu":
         return "the model is not on the CPU"
-    if isinstance(lookup, GgufRows) and model.norm.weight.dtype != torch.float32:
+    gguf = isinstance(lookup, GgufRows) or any(isinstance(layer.self_attn.qkv_proj.kernel, GgufLinear)
+                                               for layer in model.layers)
+    if gguf and model.norm.weight.dtype != torch.float32:
         return "GGUF blocks need float32 activations"
     if type(model.embed_tokens) is not Embedding:  # e.g. a vocab-parallel shard, whose lookup all-reduces
         return f"the embedding is a {type(model.embed_tokens).__name__}"
@@ -149,12 +150,8 @@ def _layer_reason(layer) -> Optional[str]:
     if len(formats) != 1 or next(iter(formats)) not in _LINEAR_FORMATS:
         names = sorted("float32 weights" if kind is type(None) else kind.__name__ for kind in formats)
         return f"its linears use {', '.join(names)}, not one format the stack runs"
-    for linear in linears:
-        segments = getattr(linear.kernel, "segments", None)
-        if segments is not None and (len(segments) != 1 or segments[0].ggml_type is None):
-            return "a GGUF linear whose rows mix block types or dense rows"
-    if formats == {GgufLinear} and layer.input_layernorm.weight.dtype != torch.float32:
-        return "GGUF blocks need float32 activations"
+    if any(isinstance(linear.kernel, GgufLinear) and linear.kernel.one_segment is None for linear in linears):
+        return "a GGUF linear whose rows mix block types or dense rows"
     return None
 
 

@@ -66,6 +66,12 @@ class GgufLinear(LinearKernel):
             row += segment.rows
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
+    @property
+    def one_segment(self) -> Optional[Segment]:
+        """The weight as one block matrix of one ggml type, or None (rows of several types, or dense rows)."""
+        only = self.segments[0]
+        return only if len(self.segments) == 1 and only.ggml_type is not None else None
+
     def nbytes(self) -> int:
         return sum(segment.weight.numel() * segment.weight.element_size() for segment in self.segments)
 
