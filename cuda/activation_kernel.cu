@@ -10,6 +10,7 @@
 
 #include "cuda_check.h"
 #include "cuda_ops.h"
+#include "dependent_launch.cuh"
 #include "dispatch.h"
 #include "float_convert.cuh"
 #include "launch_limits.h"
@@ -26,6 +27,8 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kBlockThreads)
     silu_and_mul_kernel(T* out, const T* x, int64_t num_vecs, int vecs_per_row, int intermediate) {
+  wait_for_previous_kernel();  // launched dependent: x comes from the kernel before
+  let_next_kernel_launch();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < num_vecs; v += stride) {
     const int64_t row = v / vecs_per_row;
@@ -54,9 +57,8 @@ void silu_and_mul(const TensorView& out, const TensorView& x, cudaStream_t strea
       const int vecs_per_row = intermediate / kVec;
       const int64_t num_vecs = out.size(0) * vecs_per_row;
       const auto grid = static_cast<int>(std::min<int64_t>(ceil_div(num_vecs, int64_t{kBlockThreads}), kMaxBlocks));
-      silu_and_mul_kernel<T, kVec>
-          <<<grid, kBlockThreads, 0, stream>>>(out.ptr<T>(), x.ptr<const T>(), num_vecs, vecs_per_row, intermediate);
-      check_launch("silu_and_mul_kernel");
+      launch_dependent(silu_and_mul_kernel<T, kVec>, dim3(grid), dim3(kBlockThreads), 0, stream, "silu_and_mul_kernel",
+                       out.ptr<T>(), x.ptr<const T>(), num_vecs, vecs_per_row, intermediate);
     });
   });
 }

@@ -100,6 +100,14 @@ void qkv_rope_cache(const TensorView& query_out, const TensorView& qkv, const Te
                     const TensorView& cos_sin, const TensorView& key_cache, const TensorView& value_cache,
                     const TensorView& slot_mapping, cudaStream_t stream);
 
+// qkv_rope_cache of the product x W^T (+ bias) of 1..4 rows, in one kernel
+// without storing the product (semantics: ops::qkv_linear_rope_cache); x and
+// weight as small_batch_linear's.
+void qkv_linear_rope_cache(const TensorView& query_out, const TensorView& x, const TensorView& weight,
+                           const TensorView& bias, const TensorView& positions, const TensorView& cos_sin,
+                           const TensorView& key_cache, const TensorView& value_cache,
+                           const TensorView& slot_mapping, cudaStream_t stream);
+
 // out = x W^T (+ bias) for a few rows (semantics: ops::small_batch_linear):
 // one warp per output column, memory-bound, one launch. x: [M, K] with
 // 1 <= M <= 8 (ops::kMaxSmallBatchRows); weight: [N, K]; bias: [N] or empty;

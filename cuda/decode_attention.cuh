@@ -38,6 +38,7 @@
 #include "attention_params.h"
 #include "cuda_check.h"
 #include "decode_reduce.cuh"
+#include "dependent_launch.cuh"
 #include "float_convert.cuh"
 #include "mma.cuh"
 #include "smem_tile.cuh"
@@ -214,6 +215,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   float* chunk_max = reinterpret_cast<float*>(shared_bytes + Layout::kQueryBytes + kStages * Layout::kStageBytes);
   float* probs = chunk_max + kWarps * kHeadsPerCta;
 
+  wait_for_previous_kernel();  // launched dependent: the query comes from the kernel before
+  let_next_kernel_launch();
   const int row = static_cast<int>(blockIdx.z);
   const int partition = static_cast<int>(blockIdx.x);
   const HeadRange heads = cta_heads(p);
@@ -284,12 +287,11 @@ void launch_decode_attention(const PagedAttentionParams& p, const DecodeSplit& s
                   static_cast<unsigned>(p.num_decodes));
   auto* kernel = decode::decode_partition_kernel<T, kHeadDim, kBlockSize>;
   allow_dynamic_smem(kernel, Layout::kBytes, "decode_partition_kernel");
-  kernel<<<grid, decode::kThreads, Layout::kBytes, stream>>>(p, split);
-  check_launch("decode_partition_kernel");
+  launch_dependent(kernel, grid, dim3(decode::kThreads), Layout::kBytes, stream, "decode_partition_kernel", p, split);
   if (split.num_partitions > 1) {
     const int blocks = ceil_div(p.num_decodes * p.num_heads, decode::kReduceWarpsPerBlock);
-    decode::decode_reduce_kernel<T, kHeadDim><<<blocks, decode::kReduceWarpsPerBlock * 32, 0, stream>>>(p, split);
-    check_launch("decode_reduce_kernel");
+    launch_dependent(decode::decode_reduce_kernel<T, kHeadDim>, dim3(blocks), dim3(decode::kReduceWarpsPerBlock * 32),
+                     0, stream, "decode_reduce_kernel", p, split);
   }
 }
 

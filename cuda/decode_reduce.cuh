@@ -10,6 +10,7 @@
 
 #include "attention_common.cuh"
 #include "attention_params.h"
+#include "dependent_launch.cuh"
 #include "float_convert.cuh"
 
 namespace pagedserve::cuda {
@@ -20,6 +21,8 @@ inline constexpr int kReduceWarpsPerBlock = 4;
 template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kReduceWarpsPerBlock * 32)
     decode_reduce_kernel(const PagedAttentionParams p, const DecodeSplit split) {
+  wait_for_previous_kernel();  // launched dependent: the partitions come from the kernel before
+  let_next_kernel_launch();
   constexpr int kPerLane = kHeadDim / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp_index = static_cast<int>(blockIdx.x) * kReduceWarpsPerBlock + static_cast<int>(threadIdx.x) / 32;

@@ -25,6 +25,7 @@
 
 #include "cuda_check.h"
 #include "cuda_ops.h"
+#include "dependent_launch.cuh"
 #include "dispatch.h"
 #include "float_convert.cuh"
 #include "launch_limits.h"
@@ -66,6 +67,8 @@ __global__ void __launch_bounds__(kMaxThreadsPerRow)
   const bool row_valid = row < rows;  // no early return: the row sum may need a block barrier
   const int num_vecs = hidden / kVec;
   const int64_t row_offset = static_cast<int64_t>(row) * hidden;
+  wait_for_previous_kernel();
+  let_next_kernel_launch();
 
   float values[kVecsPerThread][kVec];
   float sum_sq = 0.f;
@@ -146,6 +149,8 @@ __global__ void __launch_bounds__(512)
   float* partial = squares + hidden;
   const int tid = static_cast<int>(threadIdx.x);
   const int64_t row_offset = static_cast<int64_t>(blockIdx.x) * hidden;
+  wait_for_previous_kernel();
+  let_next_kernel_launch();
   // 4 elements per step (hidden % 4 == 0), as vectors where the row is 8-byte aligned.
   for (int i = 4 * tid; i < hidden; i += 4 * static_cast<int>(blockDim.x)) {
     float v[4];
@@ -212,11 +217,11 @@ void launch_rms_norm(const char* op, void* out, const TensorView& in, void* resi
                          (residual == nullptr || is_aligned16(residual));  // the kernel loads 4-element vectors
   if (!fixed_order && order.width > 0 && order_smem <= 48 * 1024 && aligned16) {
     dispatch_float(in.dtype, op, [&]<typename T>() {
-      rms_norm_torch_order_kernel<T, kAddResidual><<<rows, std::max(order.width, 128), order_smem, stream>>>(
-          static_cast<T*>(out), in.ptr<const T>(), static_cast<T*>(residual), weight.ptr<const T>(), eps, hidden,
-          order.width, order.inv_hidden);
+      launch_dependent(rms_norm_torch_order_kernel<T, kAddResidual>, dim3(rows), dim3(std::max(order.width, 128)),
+                       order_smem, stream, kAddResidual ? "fused_add_rms_norm_kernel" : "rms_norm_kernel",
+                       static_cast<T*>(out), in.ptr<const T>(), static_cast<T*>(residual), weight.ptr<const T>(), eps,
+                       hidden, order.width, order.inv_hidden);
     });
-    check_launch(kAddResidual ? "fused_add_rms_norm_kernel" : "rms_norm_kernel");
     return;
   }
   dispatch_float(in.dtype, op, [&]<typename T>() {
@@ -234,14 +239,10 @@ void launch_rms_norm(const char* op, void* out, const TensorView& in, void* resi
       const auto* typed_in = in.ptr<const T>();
       auto* typed_residual = static_cast<T*>(residual);
       const auto* typed_weight = weight.ptr<const T>();
-      if (one_per_thread) {
-        rms_norm_kernel<T, kVec, 1, kAddResidual><<<grid, block, 0, stream>>>(
-            typed_out, typed_in, typed_residual, typed_weight, eps, rows, hidden, threads_per_row);
-      } else {
-        rms_norm_kernel<T, kVec, 4, kAddResidual><<<grid, block, 0, stream>>>(
-            typed_out, typed_in, typed_residual, typed_weight, eps, rows, hidden, threads_per_row);
-      }
-      check_launch(kAddResidual ? "fused_add_rms_norm_kernel" : "rms_norm_kernel");
+      auto* kernel = one_per_thread ? rms_norm_kernel<T, kVec, 1, kAddResidual> : rms_norm_kernel<T, kVec, 4, kAddResidual>;
+      launch_dependent(kernel, dim3(grid), dim3(block), 0, stream,
+                       kAddResidual ? "fused_add_rms_norm_kernel" : "rms_norm_kernel", typed_out, typed_in,
+                       typed_residual, typed_weight, eps, rows, hidden, threads_per_row);
     });
   });
 }

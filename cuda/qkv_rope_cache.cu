@@ -17,27 +17,19 @@
 
 #include "cuda_check.h"
 #include "cuda_ops.h"
+#include "dependent_launch.cuh"
 #include "dispatch.h"
 #include "float_convert.cuh"
 #include "kv_cache_index.cuh"
 #include "launch_limits.h"
 #include "ops/op_contracts.h"
+#include "qkv_shape.h"
 #include "rotary_math.cuh"
 
 namespace pagedserve::cuda {
 namespace {
 
 constexpr int kMaxBlockThreads = 256;
-
-struct QkvShape {
-  int num_query_heads;
-  int num_kv_heads;
-  int head_dim;
-  int rotary_dim;
-  int max_position;
-  int block_size;
-  int64_t num_slots;
-};
 
 template <typename T, int kVec>
 __device__ __forceinline__ void copy_chunk(T* dst, const T* src) {
@@ -48,6 +40,8 @@ template <typename T, int kVec>
 __global__ void __launch_bounds__(kMaxBlockThreads)
     qkv_rope_cache_kernel(T* query_out, const T* qkv, const int32_t* positions, const float* cos_sin, T* key_cache,
                           T* value_cache, const int32_t* slot_mapping, QkvShape shape) {
+  wait_for_previous_kernel();  // launched dependent: qkv comes from the kernel before
+  let_next_kernel_launch();
   const int token = static_cast<int>(blockIdx.x);
   const int position = positions[token];
   const bool rotate = position >= 0 && position < shape.max_position;
@@ -107,13 +101,7 @@ void qkv_rope_cache(const TensorView& query_out, const TensorView& qkv, const Te
   constexpr const char* kOp = "qkv_rope_cache";
   ops::check_qkv_rope_cache(ops::Device::kCUDA, query_out, qkv, positions, cos_sin, key_cache, value_cache,
                             slot_mapping);
-  const QkvShape shape{checked_int(kOp, "query heads", query_out.size(1)),
-                       checked_int(kOp, "kv heads", key_cache.size(1)),
-                       checked_int(kOp, "head_dim", query_out.size(2)),
-                       checked_int(kOp, "rotary dim", cos_sin.size(1)),
-                       checked_int(kOp, "max_position", cos_sin.size(0)),
-                       checked_int(kOp, "block_size", key_cache.size(2)),
-                       key_cache.size(0) * key_cache.size(2)};
+  const QkvShape shape = QkvShape::of(kOp, query_out, key_cache, cos_sin);
   const int grid = checked_int(kOp, "num_tokens", qkv.size(0));
   if (grid == 0) return;
   DeviceGuard guard(qkv.device_index);
@@ -122,10 +110,10 @@ void qkv_rope_cache(const TensorView& query_out, const TensorView& qkv, const Te
                              [&]<int kVec>() {
       const int items = (shape.num_query_heads + 2 * shape.num_kv_heads) * (shape.head_dim / kVec);
       const int threads = std::clamp((items + 31) / 32 * 32, 32, kMaxBlockThreads);
-      qkv_rope_cache_kernel<T, kVec><<<grid, threads, 0, stream>>>(
-          query_out.ptr<T>(), qkv.ptr<const T>(), positions.ptr<const int32_t>(), cos_sin.ptr<const float>(),
-          key_cache.ptr<T>(), value_cache.ptr<T>(), slot_mapping.ptr<const int32_t>(), shape);
-      check_launch("qkv_rope_cache_kernel");
+      launch_dependent(qkv_rope_cache_kernel<T, kVec>, dim3(grid), dim3(threads), 0, stream, "qkv_rope_cache_kernel",
+                       query_out.ptr<T>(), qkv.ptr<const T>(), positions.ptr<const int32_t>(),
+                       cos_sin.ptr<const float>(), key_cache.ptr<T>(), value_cache.ptr<T>(),
+                       slot_mapping.ptr<const int32_t>(), shape);
     });
   });
 }

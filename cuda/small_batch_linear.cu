@@ -6,10 +6,8 @@
 // TinyLlama's projections (H200: qkv 10.5 MB in 5.7 us, down 23 MB in 8.8 us
 // plus a split-K reduce kernel), and the gated MLP needs a second kernel for
 // silu(gate) * up. Here one warp owns one output column (one row of W, two for
-// the gated epilogue): each lane streams 16-byte pieces of the row, so a
-// warp's loads cover 512 contiguous bytes per step, dots them with every row
-// of x (a few KiB, served from L1), and the warp sums its lanes with a fixed
-// shuffle tree. No shared memory, no split-K, one launch.
+// the gated epilogue; small_batch_dot.cuh). No shared memory, no split-K, one
+// launch.
 //
 // Arithmetic: float32 products and sums; each output is rounded once to the
 // dtype after the bias is added, as cuBLAS rounds its float32 accumulator.
@@ -22,40 +20,20 @@
 
 #include "cuda_check.h"
 #include "cuda_ops.h"
+#include "dependent_launch.cuh"
 #include "dispatch.h"
 #include "float_convert.cuh"
 #include "launch_limits.h"
 #include "ops/op_contracts.h"
+#include "small_batch_dot.cuh"
 
 namespace pagedserve::cuda {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kLanes = 32;
+using small_batch::kLanes;
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
-
-// acc[m] += dot(w[k0, k0 + V), x[m][k0, k0 + V)) for one lane's piece.
-template <typename T, int kRows, int kVec>
-__device__ __forceinline__ void dot_piece(float (&acc)[kRows], const float (&w)[kVec], const T* x, int k0,
-                                          int k_size) {
-#pragma unroll
-  for (int m = 0; m < kRows; ++m) {
-    float xv[kVec];
-    load_as_float(xv, x + m * k_size + k0);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) acc[m] = __fmaf_rn(w[e], xv[e], acc[m]);
-  }
-}
-
-template <int kRows>
-__device__ __forceinline__ void warp_sum(float (&acc)[kRows]) {
-#pragma unroll
-  for (int m = 0; m < kRows; ++m) {
-#pragma unroll
-    for (int offset = kLanes / 2; offset > 0; offset /= 2) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], offset);
-  }
-}
 
 // The output of one column: bias added, then (gated) round(silu(gate)) * up with both rounded first.
 template <typename T, bool kGated>
@@ -72,38 +50,28 @@ __device__ __forceinline__ float epilogue(float value, float up, const T* bias, 
 }
 
 // One warp per output column n of out [kRows, num_cols]. kGated: W = [gate; up]
-// with num_cols rows each, out = round(silu(gate)) * up.
+// with num_cols rows each, out = round(silu(gate)) * up. Launched dependent
+// (dependent_launch.cuh). Loading the first weights before the wait, into
+// registers or as an L2 bulk prefetch, measured slower than waiting first
+// (bench/perf/small_batch_linear_bench.py on an H200: the registers cost
+// occupancy, the prefetch doubles the first round's traffic).
 template <typename T, int kRows, bool kGated>
 __global__ void __launch_bounds__(kWarpsPerBlock* kLanes)
     small_batch_linear_kernel(T* __restrict__ out, const T* __restrict__ x, const T* __restrict__ weight,
                               const T* __restrict__ bias, int k_size, int num_cols) {
-  constexpr int kVec = kVec16<T>;
   const int lane = static_cast<int>(threadIdx.x) % kLanes;
   const int n = static_cast<int>(blockIdx.x) * kWarpsPerBlock + static_cast<int>(threadIdx.x) / kLanes;
+  wait_for_previous_kernel();  // x comes from the kernel before
+  let_next_kernel_launch();
   if (n >= num_cols) return;  // whole warps leave together: the shuffles below stay full-warp
   const T* row = weight + static_cast<int64_t>(n) * k_size;
-  const T* up_row = row + static_cast<int64_t>(num_cols) * k_size;
   float acc[kRows] = {}, up_acc[kRows] = {};
-  // Eight pieces in flight per lane keep the loads ahead of memory latency (K = 2048 is 8 pieces: the
-  // whole row at once). ptxas (CUDA 13, sm_90) spilled a few bytes at unroll 1, 2 and 4 in some of the
-  // 48 instantiations, none at 8 (at most 146 registers, 8 gated rows).
-#pragma unroll 8
-  for (int k0 = lane * kVec; k0 < k_size; k0 += kLanes * kVec) {
-    float w[kVec];
-    load_as_float(w, row + k0);
-    dot_piece<T, kRows, kVec>(acc, w, x, k0, k_size);
-    if constexpr (kGated) {
-      float u[kVec];
-      load_as_float(u, up_row + k0);
-      dot_piece<T, kRows, kVec>(up_acc, u, x, k0, k_size);
-    }
-  }
-  warp_sum(acc);
-  if constexpr (kGated) warp_sum(up_acc);
-  // Lane m writes row m (a compile-time index per branch: registers cannot be indexed at run time).
-#pragma unroll
-  for (int m = 0; m < kRows; ++m) {
-    if (m == lane) out[static_cast<int64_t>(m) * num_cols + n] = from_float<T>(epilogue<T, kGated>(acc[m], up_acc[m], bias, n, num_cols));
+  small_batch::warp_dot<T, kRows, kGated>(acc, up_acc, row, row + static_cast<int64_t>(num_cols) * k_size, x, k_size,
+                                          lane);
+  if (lane < kRows) {
+    const float value = epilogue<T, kGated>(small_batch::row_of_lane(acc, lane), small_batch::row_of_lane(up_acc, lane),
+                                            bias, n, num_cols);
+    out[static_cast<int64_t>(lane) * num_cols + n] = from_float<T>(value);
   }
 }
 
@@ -115,9 +83,9 @@ void launch(const TensorView& out, const TensorView& x, const TensorView& weight
   const int grid = ceil_div(num_cols, kWarpsPerBlock);
   const T* bias_ptr = bias.data == nullptr ? nullptr : bias.ptr<const T>();
   dispatch_small_rows(rows, "small_batch_linear", [&]<int kRows>() {
-    small_batch_linear_kernel<T, kRows, kGated><<<grid, kWarpsPerBlock * kLanes, 0, stream>>>(
-        out.ptr<T>(), x.ptr<const T>(), weight.ptr<const T>(), bias_ptr, k_size, num_cols);
-    check_launch("small_batch_linear_kernel");
+    launch_dependent(small_batch_linear_kernel<T, kRows, kGated>, dim3(grid), dim3(kWarpsPerBlock * kLanes), 0,
+                     stream, "small_batch_linear_kernel", out.ptr<T>(), x.ptr<const T>(), weight.ptr<const T>(),
+                     bias_ptr, k_size, num_cols);
   });
 }
 
@@ -131,9 +99,7 @@ void small_batch_linear(const TensorView& out, const TensorView& x, const Tensor
   const int num_cols = checked_int(kOp, "output columns", out.size(1));
   DeviceGuard guard(x.device_index);
   dispatch_float(x.dtype, kOp, [&]<typename T>() {
-    PS_REQUIRE(x.size(1) % kVec16<T> == 0 && is_aligned16(x.data) && is_aligned16(weight.data), kOp,
-               "x and weight need K a multiple of " + std::to_string(kVec16<T>) + " and 16-byte alignment, got " +
-                   x.describe() + " and " + weight.describe());
+    small_batch::require_vector_operands<T>(kOp, x, weight);
     if (gated) {
       launch<T, true>(out, x, weight, bias, num_cols, stream);
     } else {

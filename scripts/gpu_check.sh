@@ -8,6 +8,7 @@
 #   bash scripts/gpu_check.sh build optests        some stages
 #
 # Stages: env build optests sanitizer kernels engine families structured e2e_dummy e2e_real long timing demos serve
+# (pdl_ab on request: dependent launches off vs on, interleaved, TinyLlama shape)
 # (cpu_host on request: the CPU kernels and CPU serving bench on the host's CPU, pinned to 2 cores)
 # Several GPUs (nvidia-h200-x2, on request): tp_tests (NCCL TP = 2 vs 1, faults; tp_server: the same through the
 # server, and DP = 2 placement), tp_agreement, tp_e2e (Llama-3-8B shape, TP 1 and 2), tp_kernels (the all-reduce
@@ -59,19 +60,23 @@ for stage in "${STAGES[@]}"; do
         -C cmake.define.USE_CUDA=ON -C build-dir=build/gpu . ;;
     optests)
       run_stage optests python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py \
-        tests_py/test_ops_grouped_linear.py tests_py/test_ops_attention_window.py tests_py/test_ops_small_batch_linear.py tests_py/test_ops_qkv_rope_cache.py -q -p no:cacheprovider ;;
+        tests_py/test_ops_grouped_linear.py tests_py/test_ops_attention_window.py tests_py/test_ops_small_batch_linear.py tests_py/test_ops_qkv_rope_cache.py \
+        tests_py/test_ops_qkv_linear_rope_cache.py -q -p no:cacheprovider ;;
     sanitizer)  # memcheck over every GPU op test (~25 s); racecheck and synccheck on the attention subset
       run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py tests_py/test_ops_grouped_linear.py \
-        tests_py/test_ops_attention_window.py tests_py/test_ops_small_batch_linear.py tests_py/test_ops_qkv_rope_cache.py -q -p no:cacheprovider
+        tests_py/test_ops_attention_window.py tests_py/test_ops_small_batch_linear.py tests_py/test_ops_qkv_rope_cache.py \
+        tests_py/test_ops_qkv_linear_rope_cache.py -q -p no:cacheprovider
       for tool in racecheck synccheck; do
         run_stage "sanitizer_$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 \
           python3 -m pytest tests_py/test_cuda_ops.py -q -p no:cacheprovider -k sanitizer_subset_attention
       done ;;
     kernels)
-      run_stage kernels python3 bench/perf/kernel_bench.py --out "$RUN" ;;
+      run_stage kernels python3 bench/perf/kernel_bench.py --out "$RUN"
+      run_stage small_batch_linear python3 bench/perf/small_batch_linear_bench.py --out "$RUN" ;;
     engine)
-      run_stage engine python3 -m pytest tests_py/test_gpu_engine.py tests_py/test_gpu_batch_invariance.py -q \
+      run_stage engine python3 -m pytest tests_py/test_gpu_engine.py tests_py/test_gpu_batch_invariance.py \
+        tests_py/test_gpu_decode_fusions.py -q \
         -p no:cacheprovider -s ;;
     families)  # every model family and rope type on random weights: float32 = the CPU path, bf16 vs transformers
       run_stage families python3 -m pytest tests_py/test_gpu_families.py -q -p no:cacheprovider ;;
@@ -97,6 +102,15 @@ for stage in "${STAGES[@]}"; do
       run_stage decode_kernels python3 bench/perf/decode_kernels.py --shape tinyllama-1.1b --batch 1 64 --label "${KERNELS_LABEL:-}" --out "$RUN"
       run_stage decode_kernels_invariant python3 bench/perf/decode_kernels.py --shape tinyllama-1.1b --batch 1 64 \
         --label batch_invariant --option batch_invariant=true --out "$RUN" ;;
+    pdl_ab)  # dependent launches off / on, interleaved twice: kernels and device time per step, end-to-end tok/s
+      for round in 1 2; do
+        for pdl in 0 1; do
+          run_stage "pdl${pdl}_kernels_r$round" env PAGEDSERVE_PDL=$pdl python3 bench/perf/decode_kernels.py \
+            --shape tinyllama-1.1b --batch 1 64 --label "pdl${pdl}_r$round" --out "$RUN"
+          run_stage "pdl${pdl}_e2e_r$round" env PAGEDSERVE_PDL=$pdl python3 bench/perf/throughput.py --device cuda \
+            --shape tinyllama-1.1b --no-hf --concurrency 1 64 --name "tinyllama_pdl${pdl}_r$round" --out "$RUN"
+        done
+      done ;;
     demos)
       run_stage demos python3 bench/demos/demos.py all --device cuda --out "$RUN" ;;
     serve)

@@ -42,7 +42,7 @@ def load(out: Path, name: str) -> dict:
 SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py", "perf/kernel_bench.py",
            "perf/scheduler_bench.py", "perf/step_timing.py", "perf/decode_kernels.py", "perf/serve_bench.py", "perf/cpu_ops_bench.py",
            "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py", "perf/moe_bench.py",
-           "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py",
+           "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py", "perf/small_batch_linear_bench.py",
            "perf/gguf_bench.py", "perf/cpu_serving_bench.py", "perf/cpu_rss_breakdown.py", "perf/tp_bench.py",
            "perf/tp_comm_model.py", "perf/dp_engine_bench.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/cpu_precision_agreement.py",

@@ -35,7 +35,10 @@ def run(x, weight, bias, gated, device):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", range(1, 9))
 @pytest.mark.parametrize("k, n, bias, gated", [(264, 40, False, False), (2048, 24, True, False),
-                                                (520, 36, True, True), (64, 10, False, True)])
+                                                (520, 36, True, True), (64, 10, False, True),
+                                                # long rows: 2, 3 and 9 rounds of eight loads per lane in 16 bits
+                                                (2312, 12, True, True), (5632, 20, False, False),
+                                                (16400, 6, False, True)])
 def test_matches_float64(device, dtype, rows, k, n, bias, gated, gen):
     x = randn(rows, k, gen=gen, dtype=dtype)
     weight = randn(n, k, gen=gen, dtype=dtype, scale=k ** -0.5)
@@ -47,10 +50,11 @@ def test_matches_float64(device, dtype, rows, k, n, bias, gated, gen):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_rows_do_not_depend_on_the_batch(dtype, gen):
+@pytest.mark.parametrize("k", [2048, 5632])  # one round of loads per lane; three
+def test_cuda_rows_do_not_depend_on_the_batch(dtype, k, gen):
     """Row 0 alone and in batches of 2..8 of other rows: the same bits (decode steps are batch-invariant here)."""
-    x = randn(8, 2048, gen=gen, dtype=dtype)
-    weight = randn(512, 2048, gen=gen, dtype=dtype, scale=0.02)
+    x = randn(8, k, gen=gen, dtype=dtype)
+    weight = randn(512, k, gen=gen, dtype=dtype, scale=0.02)
     alone = run(x[:1], weight, None, False, "cuda")
     for rows in range(2, 9):
         assert torch.equal(run(x[:rows], weight, None, False, "cuda")[:1], alone)

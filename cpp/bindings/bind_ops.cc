@@ -76,6 +76,14 @@ void small_batch_linear(const TensorView& out, const TensorView& x, const Tensor
   ops::small_batch_linear(out, x, weight, bias.value_or(TensorView{}), gated);
 }
 
+void qkv_linear_rope_cache(const TensorView& query_out, const TensorView& x, const TensorView& weight,
+                           const std::optional<TensorView>& bias, const TensorView& positions,
+                           const TensorView& cos_sin, const TensorView& key_cache, const TensorView& value_cache,
+                           const TensorView& slot_mapping, HostStream) {
+  ops::qkv_linear_rope_cache(query_out, x, weight, bias.value_or(TensorView{}), positions, cos_sin, key_cache,
+                             value_cache, slot_mapping);
+}
+
 void rope_cos_sin_cache(const TensorView& cos_sin, double theta, double factor, double low_freq_factor,
                         double high_freq_factor, int64_t original_max_position) {
   ops::rope_cos_sin_cache(cos_sin, theta, {factor, low_freq_factor, high_freq_factor, original_max_position});
@@ -127,6 +135,11 @@ void bind_ops(py::module_& m) {
                    "out = x weight^T (+ bias) for 1..8 rows; gated: weight = [gate; up], out = silu(gate) * up.",
                    py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
                    py::arg("gated") = false, stream);
+  def_op<kRelease>(m, "qkv_linear_rope_cache", &qkv_linear_rope_cache,
+                   "qkv_rope_cache of x weight^T (+ bias) for 1..4 rows of x (the CUDA kernel's reference).",
+                   py::arg("query_out"), py::arg("x"), py::arg("weight"), py::arg("bias").none(true),
+                   py::arg("positions"), py::arg("cos_sin_cache"), py::arg("key_cache"), py::arg("value_cache"),
+                   py::arg("slot_mapping"), stream);
   def_op<kRelease>(m, "sample_tokens", &OnHost<&ops::sample_tokens>::call,
                    "Gumbel-max sampling of one token per row: argmax(logits * inv_temperature + gumbel noise); "
                    "rows with inv_temperature <= 0 are greedy.",

@@ -268,30 +268,33 @@ void check_grouped_linear(Device device, const TensorView& out, const TensorView
   }
 }
 
-void check_qkv_rope_cache(Device device, const TensorView& query_out, const TensorView& qkv,
-                          const TensorView& positions, const TensorView& cos_sin, const TensorView& key_cache,
-                          const TensorView& value_cache, const TensorView& slot_mapping) {
-  Args a("qkv_rope_cache", device);
+namespace {
+
+// What the attention-input ops write: query_out [T, Hq, D]; the caches, of
+// `source`'s dtype, [N, Hkv, B, D]; positions, slot_mapping [T]; cos_sin
+// [max_position, R]. CPU: positions in the table, slots in the cache or kPadSlot.
+void rope_cache_targets(Args& a, const TensorView& source, const TensorView& query_out, const TensorView& positions,
+                        const TensorView& cos_sin, const TensorView& key_cache, const TensorView& value_cache,
+                        const TensorView& slot_mapping) {
+  const int64_t tokens = source.size(0);
   a.floats("query_out", query_out, 3);
-  a.floats("qkv", qkv, 2);
-  a.same_dtype("qkv", qkv, query_out);
-  a.size("qkv", qkv, 0, query_out.size(0));
+  a.same_dtype("query_out", query_out, source);
+  a.size("query_out", query_out, 0, tokens);
   a.floats("key_cache", key_cache, 4);
-  a.same_dtype("key_cache", key_cache, qkv);
+  a.same_dtype("key_cache", key_cache, source);
   a.size("key_cache", key_cache, 3, query_out.size(2));
   a.like("value_cache", value_cache, key_cache);
-  a.size("qkv", qkv, 1, (query_out.size(1) + 2 * key_cache.size(1)) * query_out.size(2));
   a.of("positions", positions, 1, DType::kInt32);
-  a.size("positions", positions, 0, qkv.size(0));
+  a.size("positions", positions, 0, tokens);
   a.of("slot_mapping", slot_mapping, 1, DType::kInt32);
-  a.size("slot_mapping", slot_mapping, 0, qkv.size(0));
+  a.size("slot_mapping", slot_mapping, 0, tokens);
   a.of("cos_sin_cache", cos_sin, 2, DType::kFloat32);
   const int64_t rotary = cos_sin.size(1);
   PS_REQUIRE(rotary > 0 && rotary % 2 == 0 && rotary <= query_out.size(2), a.op(),
              "cos_sin_cache's rotary dim must be even and within the head dim, got " + cos_sin.describe());
   if (!a.reads_indices()) return;
   const int64_t num_slots = key_cache.size(0) * key_cache.size(2);
-  for (int64_t t = 0; t < qkv.size(0); ++t) {
+  for (int64_t t = 0; t < tokens; ++t) {
     const int32_t pos = positions.ptr<int32_t>()[t], slot = slot_mapping.ptr<int32_t>()[t];
     PS_REQUIRE(pos >= 0 && pos < cos_sin.size(0), a.op(),
                "positions[" + std::to_string(t) + "] = " + std::to_string(pos) + " is outside the cos/sin table");
@@ -300,9 +303,15 @@ void check_qkv_rope_cache(Device device, const TensorView& query_out, const Tens
   }
 }
 
-void check_small_batch_linear(Device device, const TensorView& out, const TensorView& x, const TensorView& weight,
-                              const TensorView& bias, bool gated) {
-  Args a("small_batch_linear", device);
+// The qkv width the attention-input ops expect: (Hq + 2 Hkv) D.
+int64_t qkv_width(const TensorView& query_out, const TensorView& key_cache) {
+  return (query_out.size(1) + 2 * key_cache.size(1)) * query_out.size(2);
+}
+
+// small_batch_linear's operands: x [M, K], 1 <= M <= kMaxSmallBatchRows; weight [N, K] (N even when
+// gated); bias [N] or empty.
+void small_batch_operands(Args& a, const TensorView& x, const TensorView& weight, const TensorView& bias,
+                          bool gated) {
   a.floats("x", x, 2);
   a.floats("weight", weight, 2);
   a.same_dtype("weight", weight, x);
@@ -316,10 +325,39 @@ void check_small_batch_linear(Device device, const TensorView& out, const Tensor
     a.same_dtype("bias", bias, x);
     a.size("bias", bias, 0, weight.size(0));
   }
+}
+
+}  // namespace
+
+void check_qkv_rope_cache(Device device, const TensorView& query_out, const TensorView& qkv,
+                          const TensorView& positions, const TensorView& cos_sin, const TensorView& key_cache,
+                          const TensorView& value_cache, const TensorView& slot_mapping) {
+  Args a("qkv_rope_cache", device);
+  a.floats("qkv", qkv, 2);
+  rope_cache_targets(a, qkv, query_out, positions, cos_sin, key_cache, value_cache, slot_mapping);
+  a.size("qkv", qkv, 1, qkv_width(query_out, key_cache));
+}
+
+void check_small_batch_linear(Device device, const TensorView& out, const TensorView& x, const TensorView& weight,
+                              const TensorView& bias, bool gated) {
+  Args a("small_batch_linear", device);
+  small_batch_operands(a, x, weight, bias, gated);
   a.floats("out", out, 2);
   a.same_dtype("out", out, x);
   a.size("out", out, 0, x.size(0));
   a.size("out", out, 1, gated ? weight.size(0) / 2 : weight.size(0));
+}
+
+void check_qkv_linear_rope_cache(Device device, const TensorView& query_out, const TensorView& x,
+                                 const TensorView& weight, const TensorView& bias, const TensorView& positions,
+                                 const TensorView& cos_sin, const TensorView& key_cache,
+                                 const TensorView& value_cache, const TensorView& slot_mapping) {
+  Args a("qkv_linear_rope_cache", device);
+  small_batch_operands(a, x, weight, bias, false);
+  PS_REQUIRE(x.size(0) <= kMaxFusedQkvRows, a.op(),
+             "x must have 1.." + std::to_string(kMaxFusedQkvRows) + " rows, got " + x.describe());
+  rope_cache_targets(a, x, query_out, positions, cos_sin, key_cache, value_cache, slot_mapping);
+  a.size("weight", weight, 0, qkv_width(query_out, key_cache));
 }
 
 void require_expert_offsets(std::string_view op, const TensorView& offsets, int64_t num_experts, int64_t rows) {

@@ -90,6 +90,14 @@ inline constexpr int kMaxSmallBatchRows = 8;
 void check_small_batch_linear(Device device, const TensorView& out, const TensorView& x, const TensorView& weight,
                               const TensorView& bias, bool gated);
 
+// qkv_linear_rope_cache: x, weight, bias as small_batch_linear's (not gated) but at most kMaxFusedQkvRows
+// rows, weight [(Hq + 2 Hkv) D, K]; the rest as qkv_rope_cache's, with x's dtype and T = M.
+inline constexpr int kMaxFusedQkvRows = 4;  // a decode step uses it at 1-2 rows; ptxas spilled at 6 (bf16)
+void check_qkv_linear_rope_cache(Device device, const TensorView& query_out, const TensorView& x,
+                                 const TensorView& weight, const TensorView& bias, const TensorView& positions,
+                                 const TensorView& cos_sin, const TensorView& key_cache,
+                                 const TensorView& value_cache, const TensorView& slot_mapping);
+
 // sample_tokens: logits [R, V] float, V > 0; out [R] int32; inv_temperature [R] float32.
 void check_sample_tokens(Device device, const TensorView& out, const TensorView& logits,
                          const TensorView& inv_temperature);

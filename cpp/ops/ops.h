@@ -121,6 +121,16 @@ void qkv_rope_cache(const TensorView& query_out, const TensorView& qkv, const Te
                     const TensorView& cos_sin, const TensorView& key_cache, const TensorView& value_cache,
                     const TensorView& slot_mapping);
 
+// qkv_rope_cache applied to the product x W^T (+ bias) of a decode step's
+// rows, without storing it: the reference of the CUDA kernel that fuses the
+// qkv projection, rope and the cache write (cuda/qkv_linear_rope_cache.cu).
+// x: [M, K], 1 <= M <= kMaxFusedQkvRows; weight: [(Hq + 2 Hkv) D, K];
+// bias: [(Hq + 2 Hkv) D] or empty; the rest as qkv_rope_cache with T = M.
+void qkv_linear_rope_cache(const TensorView& query_out, const TensorView& x, const TensorView& weight,
+                           const TensorView& bias, const TensorView& positions, const TensorView& cos_sin,
+                           const TensorView& key_cache, const TensorView& value_cache,
+                           const TensorView& slot_mapping);
+
 // out = x W^T (+ bias) for 1..kMaxSmallBatchRows rows: the reference of the
 // CUDA decode-step product (cuda/small_batch_linear.cu). x: [M, K];
 // weight: [N, K]; bias: [N] or empty; out: [M, N]. gated: weight is [gate; up]

@@ -1,7 +1,9 @@
 // qkv_rope_cache on the CPU: the reference of the fused CUDA kernel
 // (cuda/qkv_rope_cache.cu), built from the unfused ops it replaces so the two
 // paths agree by construction: the q / k / v column slices copied out,
-// rotary_embedding on q and k, reshape_and_cache for k and v.
+// rotary_embedding on q and k, reshape_and_cache for k and v. And
+// qkv_linear_rope_cache's (cuda/qkv_linear_rope_cache.cu): small_batch_linear
+// into a qkv buffer, then qkv_rope_cache.
 #include <cstring>
 #include <vector>
 
@@ -19,6 +21,14 @@ TensorView view3(std::vector<unsigned char>& bytes, DType dtype, int64_t d0, int
   v.ndim = 3;
   v.shape = {d0, d1, d2};
   v.strides = {d1 * d2, d2, 1};
+  return v;
+}
+
+TensorView view2(std::vector<unsigned char>& bytes, DType dtype, int64_t d0, int64_t d1) {
+  TensorView v = view3(bytes, dtype, d0, d1, 1);
+  v.ndim = 2;
+  v.shape = {d0, d1};
+  v.strides = {d1, 1};
   return v;
 }
 
@@ -43,6 +53,18 @@ void qkv_rope_cache(const TensorView& query_out, const TensorView& qkv, const Te
   const TensorView value_view = view3(value, qkv.dtype, tokens, kv_heads, d);
   rotary_embedding(positions, query_out, key_view, cos_sin);
   reshape_and_cache(key_view, value_view, key_cache, value_cache, slot_mapping);
+}
+
+void qkv_linear_rope_cache(const TensorView& query_out, const TensorView& x, const TensorView& weight,
+                           const TensorView& bias, const TensorView& positions, const TensorView& cos_sin,
+                           const TensorView& key_cache, const TensorView& value_cache,
+                           const TensorView& slot_mapping) {
+  check_qkv_linear_rope_cache(Device::kCPU, query_out, x, weight, bias, positions, cos_sin, key_cache, value_cache,
+                              slot_mapping);
+  std::vector<unsigned char> bytes(static_cast<size_t>(x.size(0) * weight.size(0) * element_size(x.dtype)));
+  const TensorView qkv = view2(bytes, x.dtype, x.size(0), weight.size(0));
+  small_batch_linear(qkv, x, weight, bias, false);
+  qkv_rope_cache(query_out, qkv, positions, cos_sin, key_cache, value_cache, slot_mapping);
 }
 
 }  // namespace pagedserve::ops

@@ -46,6 +46,14 @@ void small_batch_linear(const TensorView& out, const TensorView& x, const Tensor
   cuda::small_batch_linear(out, x, weight, bias.value_or(TensorView{}), gated, stream);
 }
 
+void qkv_linear_rope_cache(const TensorView& query_out, const TensorView& x, const TensorView& weight,
+                           const std::optional<TensorView>& bias, const TensorView& positions,
+                           const TensorView& cos_sin, const TensorView& key_cache, const TensorView& value_cache,
+                           const TensorView& slot_mapping, cudaStream_t stream) {
+  cuda::qkv_linear_rope_cache(query_out, x, weight, bias.value_or(TensorView{}), positions, cos_sin, key_cache,
+                              value_cache, slot_mapping, stream);
+}
+
 }  // namespace
 
 void bind_cuda_ops(py::module_& m) {
@@ -92,6 +100,11 @@ void bind_cuda_ops(py::module_& m) {
                 "out = x weight^T (+ bias) for 1..8 rows; gated: weight = [gate; up], out = silu(gate) * up.",
                 py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
                 py::arg("gated") = false, stream);
+  def_op<kHold>(m, "qkv_linear_rope_cache", &qkv_linear_rope_cache,
+                "qkv_rope_cache of x weight^T (+ bias) for 1..4 rows of x, in one kernel.", py::arg("query_out"),
+                py::arg("x"), py::arg("weight"), py::arg("bias").none(true), py::arg("positions"),
+                py::arg("cos_sin_cache"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+                stream);
   def_op<kHold>(m, "grouped_linear", &cuda::grouped_linear,
                 "Mixture-of-experts products: out[r] = x[r] weight[e]^T for the rows [expert_offsets[e], "
                 "expert_offsets[e + 1]) of each expert e (cpp/ops/grouped_linear.h).",

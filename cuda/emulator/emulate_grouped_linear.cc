@@ -39,7 +39,7 @@ void grouped_case(DType dt, int k_size, int n_size, std::vector<int> counts, int
 }
 
 // small_batch_linear against its CPU reference: every row count 1..8, K not a
-// multiple of one warp's 256 elements, bias, the gated epilogue. The sums run
+// multiple of one warp's 256 elements, long rows, bias, the gated epilogue. The sums run
 // in another order (lanes, then a shuffle tree), so results agree to the
 // dtype's tolerance, not bit for bit.
 void small_batch_case(DType dt, int rows, int k_size, int n_size, bool bias, bool gated) {
@@ -57,6 +57,36 @@ void small_batch_case(DType dt, int rows, int k_size, int n_size, bool bias, boo
                out, expected);
 }
 
+// qkv_linear_rope_cache against the two kernels it fuses, small_batch_linear
+// then qkv_rope_cache, run on the emulator: the same bytes (1..4 rows,
+// partial rotary, bias, a padded token).
+void qkv_linear_rope_case(DType dt, int rows, int hq, int hkv, int head_dim, int rotary_dim, int k_size, bool bias) {
+  const int max_position = 64, num_blocks = 4, block_size = 16, width = (hq + 2 * hkv) * head_dim;
+  Tensor cos_sin(DType::kFloat32, {max_position, rotary_dim});
+  for (int64_t i = 0; i < cos_sin.numel(); ++i) cos_sin.set(i, float(std::cos(0.37 * double(i))));
+  Tensor positions(DType::kInt32, {rows}), slots(DType::kInt32, {rows});
+  for (int t = 0; t < rows; ++t) {
+    positions.ints()[t] = randint(0, max_position - 1);
+    slots.ints()[t] = t == 1 ? -1 : t * 3 + 1;
+  }
+  Tensor x = Tensor(dt, {rows, k_size}).randomize(), weight = Tensor(dt, {width, k_size}).randomize(0.1f);
+  Tensor b = Tensor(dt, {width}).randomize(), qkv = Tensor(dt, {rows, width}).poison();
+  Tensor query = Tensor(dt, {rows, hq, head_dim}).poison(), query_ref = query;
+  Tensor key_cache = Tensor(dt, {num_blocks, hkv, block_size, head_dim}).randomize(), value_cache = key_cache;
+  Tensor key_cache_ref = key_cache, value_cache_ref = value_cache;
+  const pagedserve::ops::TensorView no_bias{};
+  gpu::qkv_linear_rope_cache(query.gpu(), x.gpu(), weight.gpu(), bias ? b.gpu() : no_bias, positions.gpu(),
+                             cos_sin.gpu(), key_cache.gpu(), value_cache.gpu(), slots.gpu(), nullptr);
+  gpu::small_batch_linear(qkv.gpu(), x.gpu(), weight.gpu(), bias ? b.gpu() : no_bias, false, nullptr);
+  gpu::qkv_rope_cache(query_ref.gpu(), qkv.gpu(), positions.gpu(), cos_sin.gpu(), key_cache_ref.gpu(),
+                      value_cache_ref.gpu(), slots.gpu(), nullptr);
+  report(std::string("qkv_linear_rope_cache ") + name(dt) + " M" + std::to_string(rows) + " Hq" + std::to_string(hq) +
+             " Hkv" + std::to_string(hkv) + " D" + std::to_string(head_dim) + " R" + std::to_string(rotary_dim) +
+             " K" + std::to_string(k_size) + (bias ? " bias" : ""),
+         query.same_bytes(query_ref) && key_cache.same_bytes(key_cache_ref) &&
+             value_cache.same_bytes(value_cache_ref));
+}
+
 }  // namespace
 
 void small_batch_linear_cases() {
@@ -65,6 +95,10 @@ void small_batch_linear_cases() {
     small_batch_case(dt, 1, 2048, 36, false, false);
     small_batch_case(dt, 3, 520, 24, true, true);
     small_batch_case(dt, 8, 64, 6, false, true);
+    small_batch_case(dt, 2, 2312, 8, true, true);    // long rows: two or more rounds of eight loads per lane
+    small_batch_case(dt, 5, 5632, 6, false, false);
+    qkv_linear_rope_case(dt, 1, 4, 2, 16, 16, 264, false);
+    qkv_linear_rope_case(dt, 4, 3, 1, 20, 8, 64, true);
   }
 }
 

@@ -1,7 +1,7 @@
 """Writes host-compilable copies of cuda/*.cu, *.cuh, *.h into an output directory.
 
 The copies differ from the originals only where the host cannot follow:
-mma.cuh becomes mma_emu.cuh, each kernel<<<grid, block, smem, stream>>>(args)
+mma.cuh and dependent_launch.cuh become their emulator stand-ins, each kernel<<<grid, block, smem, stream>>>(args)
 becomes emu::launch(grid, block, smem, [&] { kernel(args); }), and shared
 arrays become the emulator's (dynamic) or function statics (static).
 """
@@ -12,6 +12,7 @@ import shutil
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
+STAND_INS = {"mma.cuh": "mma_emu.cuh", "dependent_launch.cuh": "dependent_launch_emu.cuh"}
 LAUNCH = re.compile(r"(\b[\w:]+(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\((.*?)\);", re.DOTALL)
 
 
@@ -41,7 +42,7 @@ def main(out_dir):
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     for path in sorted([*src.glob("*.cu"), *src.glob("*.cuh"), *src.glob("*.h")]):
-        text = (HERE / "mma_emu.cuh").read_text() if path.name == "mma.cuh" else path.read_text()
+        text = (HERE / STAND_INS[path.name]).read_text() if path.name in STAND_INS else path.read_text()
         text = LAUNCH.sub(to_emulated_launch, text)
         text = text.replace("extern __shared__ __align__(16) unsigned char shared_bytes[];",
                             "unsigned char* shared_bytes = emu_smem;")

@@ -23,33 +23,11 @@ from pagedserve.int8_weights import Int8Weight, quantize_int8_weight  # noqa: F4
 _cpu_ops = _core.ops
 
 __all__ = [
-    "rms_norm",
-    "fused_add_rms_norm",
-    "rope_cos_sin_cache",
-    "rotary_embedding",
-    "silu_and_mul",
-    "reshape_and_cache",
-    "copy_blocks",
-    "paged_attention",
-    "grouped_linear",
-    "small_batch_linear",
-    "qkv_rope_cache",
-    "MAX_SMALL_BATCH_ROWS",
-    "set_num_threads",
-    "num_threads",
-    "cpu_isa",
-    "sample_tokens",
-    "pack_linear_weight",
-    "packed_linear",
-    "packed_linear_bf16",
-    "cpu_kernels",
-    "Int8Weight",
-    "quantize_int8_weight",
-    "int8_linear",
-    "pack_grouped_weight",
-    "packed_grouped_linear",
-    "gguf_linear",
-    "gguf_dequantize_rows",
+    "rms_norm", "fused_add_rms_norm", "rope_cos_sin_cache", "rotary_embedding", "silu_and_mul", "reshape_and_cache",
+    "copy_blocks", "paged_attention", "grouped_linear", "small_batch_linear", "qkv_rope_cache",
+    "qkv_linear_rope_cache", "MAX_SMALL_BATCH_ROWS", "set_num_threads", "num_threads", "cpu_isa", "sample_tokens",
+    "pack_linear_weight", "packed_linear", "packed_linear_bf16", "cpu_kernels", "Int8Weight", "quantize_int8_weight",
+    "int8_linear", "pack_grouped_weight", "packed_grouped_linear", "gguf_linear", "gguf_dequantize_rows"
 ]
 
 
@@ -194,6 +172,15 @@ def qkv_rope_cache(query_out: torch.Tensor, qkv: torch.Tensor, positions: torch.
 
 
 MAX_SMALL_BATCH_ROWS = 8  # cpp/ops/op_contracts.h kMaxSmallBatchRows
+
+
+def qkv_linear_rope_cache(query_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          positions: torch.Tensor, cos_sin_cache: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """small_batch_linear then qkv_rope_cache, bit for bit, for 1..4 rows of x [M, K], in one kernel on a GPU."""
+    kernels, stream = _backend(x)
+    tensors = (query_out, x, weight, bias, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
+    kernels.qkv_linear_rope_cache(*(None if t is None else _dl(t) for t in tensors), stream)
 
 
 def small_batch_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -88,13 +88,18 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, layer_kv_cache: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
-        if self._fused_input(qkv, layer_kv_cache):
-            query = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
-            ops.qkv_rope_cache(query, qkv, self.rotary.table_positions(positions, attn), self.rotary.cos_sin_cache,
-                               layer_kv_cache[0], layer_kv_cache[1], attn.slot_mapping)
+        if self._fused_input(hidden, layer_kv_cache):
+            query = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device)
+            rope_args = (self.rotary.table_positions(positions, attn), self.rotary.cos_sin_cache, layer_kv_cache[0],
+                         layer_kv_cache[1], attn.slot_mapping)
+            operands = self.qkv_proj.small_batch_operands(hidden)
+            if operands is None:
+                ops.qkv_rope_cache(query, self.qkv_proj(hidden), *rope_args)
+            else:  # a decode step of a row or two: the projection too, in the same kernel
+                ops.qkv_linear_rope_cache(query, hidden, *operands, *rope_args)
             out = self.attn.attend(query, layer_kv_cache, attn)
             return self.o_proj(out.view(num_tokens, self.q_size))
+        qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         query = self._heads(q, self.num_heads, self.q_norm)
         key = self._heads(k, self.num_kv_heads, self.k_norm)
@@ -104,11 +109,12 @@ class Attention(nn.Module):
         out = self.attn(query, key, value, layer_kv_cache, attn)
         return self.o_proj(out.view(num_tokens, self.q_size))
 
-    def _fused_input(self, qkv: torch.Tensor, layer_kv_cache: torch.Tensor) -> bool:
-        """Whether ops.qkv_rope_cache makes the attention's input (on a GPU: one kernel instead of three copies,
-        rope and the cache write): rope on every q and k head, no q/k norms, a cache of qkv's dtype."""
-        return (qkv.is_cuda and self.rotary is not None and self.q_norm is None and self.k_norm is None
-                and layer_kv_cache.dtype == qkv.dtype and qkv.is_contiguous())
+    def _fused_input(self, hidden: torch.Tensor, layer_kv_cache: torch.Tensor) -> bool:
+        """Whether ops.qkv_rope_cache makes the attention's input from the qkv projection (on a GPU: one kernel
+        instead of three copies, rope and the cache write): rope on every q and k head, no q/k norms, a cache
+        of the model's dtype."""
+        return (hidden.is_cuda and self.rotary is not None and self.q_norm is None and self.k_norm is None
+                and layer_kv_cache.dtype == hidden.dtype)
 
     def _heads(self, x: torch.Tensor, num_heads: int, norm: Optional[RMSNorm]) -> torch.Tensor:
         """A contiguous [T, heads, D] copy of a column slice of qkv, normalised when the model says so."""

@@ -21,27 +21,11 @@ from pagedserve import ops
 from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.models.linear_kernels import LinearKernel, PackedBf16, PackedBf16Rows
 from pagedserve.models.rope import is_long_rope, rope_table
+from pagedserve.models.small_batch import small_batch_applies, small_batch_product
 
 
 def _empty_parameter(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def small_batch_product(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                        gated: bool = False) -> Optional[torch.Tensor]:
-    """x W^T (+ bias) through ops.small_batch_linear when it applies (a CUDA decode step of at most 8 rows,
-    16-bit weights), else None. One memory-bound launch instead of cuBLAS's 45-70 % of the copy bandwidth at
-    M = 1 (bench/perf/decode_kernels.py); gated: W = [gate; up], the result silu(gate) * up. The shapes are
-    the same at every replay of a captured CUDA graph, so the choice is made once per graph. Only for K >= 2048 (eight 16-byte pieces per lane, the unrolled loop full):
-    a shorter row gives each lane too few loads to cover the memory latency (SmolLM2, K = 576 and 1536,
-    ran slower than with cuBLAS: 681 vs 781 tok/s single-stream on an H200)."""
-    if (weight is None or not x.is_cuda or not 1 <= x.shape[0] <= ops.MAX_SMALL_BATCH_ROWS or x.shape[1] < 2048
-            or weight.dtype not in (torch.bfloat16, torch.float16) or x.dtype != weight.dtype
-            or not x.is_contiguous() or x.shape[1] % 8 or (bias is not None and bias.dtype != x.dtype)):
-        return None
-    out = torch.empty(x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0], dtype=x.dtype, device=x.device)
-    ops.small_batch_linear(out, x, weight, bias, gated)
-    return out
 
 
 class Linear(nn.Module):
@@ -74,6 +58,13 @@ class Linear(nn.Module):
             return self.kernel(x, self.bias)
         out = small_batch_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) if out is None else out
+
+    def small_batch_operands(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """(weight, bias) for a fused small-batch kernel taking x W^T + b where one applies
+        (small_batch_applies), else None."""
+        if self.kernel is not None or not small_batch_applies(x, self.weight, self.bias):
+            return None
+        return self.weight, self.bias
 
     def gated_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """silu(gate) * up of a merged [gate; up] projection in one kernel where small_batch_product

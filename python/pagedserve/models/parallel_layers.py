@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.distributed.context import SINGLE, ParallelContext, balanced_split
-from pagedserve.models.layers import Embedding, Linear, RMSNorm, small_batch_product
+from pagedserve.models.layers import Embedding, Linear, RMSNorm
+from pagedserve.models.small_batch import small_batch_product
 
 
 @dataclass(frozen=True)
