@@ -194,8 +194,9 @@ class LLMEngine:
 
     def _sampling_rows(self, out) -> tuple[list, list]:
         rows, matchers = [], []
+        seq_ids = out.seq_ids.tolist()  # plain ints: a numpy scalar per row costs more than the lookup
         for row, n in zip(out.sample_rows.tolist(), out.num_samples.tolist()):
-            request, index = self._sequences[out.seq_ids[row]]
+            request, index = self._sequences[seq_ids[row]]
             grammar = request.samples[index].grammar
             if grammar is not None:
                 matchers.append((len(rows), grammar))
@@ -212,13 +213,13 @@ class LLMEngine:
                                                                                           f.sample_index)
             children[(f.parent, f.sample_index)] = f.child
         now = time.monotonic()
-        seq_ids, logprobs, k = out.seq_ids, sampled.logprobs, 0
+        seq_ids, tokens, logprobs, k = out.seq_ids.tolist(), sampled.token_ids, sampled.logprobs, 0
         for row, n in zip(out.sample_rows.tolist(), out.num_samples.tolist()):
-            parent = int(seq_ids[row])
+            parent = seq_ids[row]
             for j in range(n):
                 owner = self._sequences.get(parent if j == 0 else children.get((parent, j), -1))
                 if owner is not None:
-                    self._add_token(owner, sampled.token_ids[k], logprobs[k] if logprobs else None, now)
+                    self._add_token(owner, tokens[k], logprobs[k] if logprobs else None, now)
                 k += 1
         self.num_generation_tokens_total += k
         for f in result.finished:

@@ -196,15 +196,13 @@ class Sampler:
         """True when every row is one unseeded (or greedy) draw from softmax(logits / T):
         no truncation, penalties, logprobs, parallel samples or min_tokens masking."""
         for row in rows:
+            if not row.plain_settings:  # parallel samples, penalties, logprobs, processors, truncation
+                return False
             p = row.params
-            if row.num_samples != 1 or p.has_penalties or p.logprobs is not None or p.has_logits_processors:
-                return False
             blocks_eos = bool(self.eos_token_ids) and not p.ignore_eos  # as _min_tokens_block decides
-            if len(row.output_token_ids) < p.min_tokens and (p.stop_token_ids or blocks_eos):
+            if p.min_tokens and len(row.output_token_ids) < p.min_tokens and (p.stop_token_ids or blocks_eos):
                 return False
-            if p.greedy:
-                continue
-            if row.generator is not None or p.top_k_enabled or p.top_p < 1.0 or p.min_p > 0.0:
+            if row.generator is not None and not p.greedy:
                 return False
         return True
 
