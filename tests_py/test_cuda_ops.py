@@ -139,8 +139,9 @@ def test_rms_norm_unaligned_and_per_head(dtype):
     assert_close(out, rms_norm_ref(x, weight, 1e-5), dtype, "misaligned vs float64", seed)
 
 
-@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 576), (10, 576), (40, 576), (300, 576), (1, 1024),
-                                         (12, 1024), (1, 2048), (3, 2048), (10, 2048), (40, 2048), (257, 4096)])
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 576), (10, 576), (16, 576), (40, 576), (64, 576), (300, 576),
+                                         (1, 1024), (12, 1024), (1, 2048), (3, 2048), (10, 2048), (16, 2048),
+                                         (40, 2048), (64, 2048), (64, 4096), (257, 4096)])
 def test_rms_norm_is_bit_identical_to_transformers(rows, hidden):
     """bf16 rows normalize exactly as transformers' LlamaRMSNorm does on the same tensor (same
     summation order as torch's mean, same rsqrt), with and without the residual add."""

@@ -6,7 +6,9 @@ namespace emu_check {
 namespace {
 
 void norm_cases(DType dt) {
-  for (auto [rows, hidden] : std::vector<std::pair<int, int>>{{3, 2048}, {5, 1001}, {2, 16384}, {17, 128}, {2, 8}}) {
+  // 20 x 2048 and 16 x 576: torch's order at width 32 (the row counts of a batched decode step).
+  for (auto [rows, hidden] : std::vector<std::pair<int, int>>{{3, 2048}, {5, 1001}, {2, 16384}, {17, 128}, {2, 8},
+                                                              {20, 2048}, {16, 576}}) {
     const std::string shape = std::string(name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hidden);
     Tensor x = Tensor(dt, {rows, hidden}).randomize(3), weight = Tensor(dt, {hidden}).randomize();
     Tensor out = Tensor(dt, {rows, hidden}).poison(), expected(dt, {rows, hidden});
