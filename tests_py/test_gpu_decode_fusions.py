@@ -14,16 +14,12 @@ import pytest
 import torch
 
 from hf_helpers import make_hf_model
-from pagedserve import LLM, SamplingParams, _core
+from pagedserve import LLM, SamplingParams
+from test_gpu_families import GPU_SHAPE, pytestmark  # noqa: F401  (skipped as the families are: GPU and CUDA build)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and _core.has_cuda), reason="needs a CUDA GPU and USE_CUDA=ON"),
-]
-
-SHAPE = dict(hidden_size=2048, intermediate_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=64,
-             num_hidden_layers=2, vocab_size=512, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
-             eos_token_id=2)
+# Hidden and intermediate 2048: every product of a one- or two-row step takes the small-batch kernels.
+SHAPE = {**GPU_SHAPE, "hidden_size": 2048, "intermediate_size": 2048, "num_attention_heads": 32,
+         "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 512}
 NEW_TOKENS = 32
 
 
