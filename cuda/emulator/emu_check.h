@@ -121,6 +121,22 @@ inline void expect_close(const std::string& what, Tensor& actual, Tensor& expect
 
 
 // The groups of checks (emulate_*.cc).
+// The inputs of the rope + KV-cache ops for `tokens` tokens: a cos/sin table of max_position rows,
+// positions drawn from it, slots t * 3 + 1 with token 1 padded (slot -1: no KV write).
+struct RopeInputs {
+  Tensor cos_sin, positions, slots;
+};
+inline RopeInputs rope_inputs(int tokens, int max_position, int rotary_dim) {
+  RopeInputs in{Tensor(DType::kFloat32, {max_position, rotary_dim}), Tensor(DType::kInt32, {tokens}),
+                Tensor(DType::kInt32, {tokens})};
+  for (int64_t i = 0; i < in.cos_sin.numel(); ++i) in.cos_sin.set(i, float(std::cos(0.37 * double(i))));
+  for (int t = 0; t < tokens; ++t) {
+    in.positions.ints()[t] = randint(0, max_position - 1);
+    in.slots.ints()[t] = t == 1 ? -1 : t * 3 + 1;
+  }
+  return in;
+}
+
 void elementwise_cases();
 void attention_cases();
 void attention_option_cases();  // sliding window, soft-capping

@@ -61,13 +61,7 @@ void qkv_rope_cache_cases(DType dt) {
        std::vector<std::array<int, 6>>{{5, 8, 2, 128, 128, 16}, {3, 4, 4, 64, 32, 16}, {4, 6, 2, 80, 40, 32},
                                        {2, 3, 1, 10, 6, 16}}) {
     const int max_position = 64, num_blocks = 4;
-    Tensor cos_sin(DType::kFloat32, {max_position, rotary_dim});
-    for (int64_t i = 0; i < cos_sin.numel(); ++i) cos_sin.set(i, float(std::cos(0.37 * double(i))));
-    Tensor positions(DType::kInt32, {tokens}), slots(DType::kInt32, {tokens});
-    for (int t = 0; t < tokens; ++t) {
-      positions.ints()[t] = randint(0, max_position - 1);
-      slots.ints()[t] = t == 1 ? -1 : t * 3 + 1;
-    }
+    auto [cos_sin, positions, slots] = rope_inputs(tokens, max_position, rotary_dim);
     const int width = (hq + 2 * hkv) * head_dim;
     Tensor qkv = Tensor(dt, {tokens, width}).randomize();
     Tensor query = Tensor(dt, {tokens, hq, head_dim}).poison(), query_ref = query;

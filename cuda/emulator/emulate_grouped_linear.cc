@@ -62,13 +62,7 @@ void small_batch_case(DType dt, int rows, int k_size, int n_size, bool bias, boo
 // partial rotary, bias, a padded token).
 void qkv_linear_rope_case(DType dt, int rows, int hq, int hkv, int head_dim, int rotary_dim, int k_size, bool bias) {
   const int max_position = 64, num_blocks = 4, block_size = 16, width = (hq + 2 * hkv) * head_dim;
-  Tensor cos_sin(DType::kFloat32, {max_position, rotary_dim});
-  for (int64_t i = 0; i < cos_sin.numel(); ++i) cos_sin.set(i, float(std::cos(0.37 * double(i))));
-  Tensor positions(DType::kInt32, {rows}), slots(DType::kInt32, {rows});
-  for (int t = 0; t < rows; ++t) {
-    positions.ints()[t] = randint(0, max_position - 1);
-    slots.ints()[t] = t == 1 ? -1 : t * 3 + 1;
-  }
+  auto [cos_sin, positions, slots] = rope_inputs(rows, max_position, rotary_dim);
   Tensor x = Tensor(dt, {rows, k_size}).randomize(), weight = Tensor(dt, {width, k_size}).randomize(0.1f);
   Tensor b = Tensor(dt, {width}).randomize(), qkv = Tensor(dt, {rows, width}).poison();
   Tensor query = Tensor(dt, {rows, hq, head_dim}).poison(), query_ref = query;
