@@ -10,7 +10,6 @@ namespace pagedserve::cuda {
 
 inline void wait_for_previous_kernel() {}
 inline void let_next_kernel_launch() {}
-inline bool dependent_launch_enabled() { return false; }
 
 template <typename... Params, typename... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, cudaStream_t /*stream*/,

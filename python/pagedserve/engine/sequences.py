@@ -49,10 +49,10 @@ class Sequences:
         request.samples[index].seq_id = seq_id
 
     def get(self, seq_id: int) -> Optional[tuple[Request, int]]:
-        return self._owner.get(seq_id if type(seq_id) is int else int(seq_id))
+        return self._owner.get(int(seq_id))
 
     def __getitem__(self, seq_id: int) -> tuple[Request, int]:
-        return self._owner[seq_id if type(seq_id) is int else int(seq_id)]
+        return self._owner[int(seq_id)]
 
     def ended(self, seq_id: int, reason, stop_token: Optional[int] = None,
               error: Optional[str] = None) -> Optional[Request]:

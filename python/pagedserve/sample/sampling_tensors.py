@@ -10,6 +10,7 @@ the host-side flags the sampler uses to skip work nobody asked for.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -28,13 +29,14 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # generated so far: penalties and min_tokens
     generator: Optional[torch.Generator] = None  # per-request (from params.seed); None: shared
 
-    def __post_init__(self) -> None:
-        # One draw from softmax(logits / T) as far as the request's settings go (no parallel samples,
-        # penalties, logprobs, processors or truncation): computed once, as the sampler asks every step.
+    @cached_property
+    def plain_settings(self) -> bool:
+        """One draw from softmax(logits / T) as far as the request's settings go (no parallel samples,
+        penalties, logprobs, processors or truncation). Cached: the sampler asks every step, and a row's
+        params and sample count do not change."""
         p = self.params
-        self.plain_settings = (self.num_samples == 1 and not p.has_penalties and p.logprobs is None
-                               and not p.has_logits_processors
-                               and (p.greedy or not (p.top_k_enabled or p.top_p < 1.0 or p.min_p > 0.0)))
+        return (self.num_samples == 1 and not p.has_penalties and p.logprobs is None and not p.has_logits_processors
+                and (p.greedy or not (p.top_k_enabled or p.top_p < 1.0 or p.min_p > 0.0)))
 
 
 @dataclass
