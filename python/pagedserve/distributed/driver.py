@@ -109,7 +109,7 @@ class DriverWorker:
         self._state = {"closed": False, "failed": False}  # shared with the finalizer, which must not hold self
         self._closer = weakref.finalize(self, _close, self.channel, ranks, self._state, worker)
         if ranks.processes and dist.get_backend() == "nccl":
-            threading.Thread(target=_watch_ranks, args=(ranks, self._state), name="pagedserve-rank-watch",
+            threading.Thread(target=_watch_ranks, args=(ranks, self._state, worker), name="pagedserve-rank-watch",
                              daemon=True).start()
 
     def execute_async(self, step, rows, grammar=None, prompt_plan=None):
@@ -156,14 +156,16 @@ class _Checked:
         return getattr(self.pending, name)
 
 
-def _watch_ranks(ranks: RankProcesses, state: dict) -> None:
-    """Waits for a rank's process to end; one that ends while the engine runs gets the NCCL groups aborted."""
+def _watch_ranks(ranks: RankProcesses, state: dict, worker) -> None:
+    """Waits for a rank's process to end; one that ends while the engine runs gets the NCCL groups aborted
+    (after the CUDA graphs that captured them are destroyed: NCCL's abort waits for those)."""
     wait([process.sentinel for _, process in ranks.processes])
     with _GROUPS_LOCK:
         if state["closed"] or not dist.is_initialized():
             return
         state["failed"] = True
         logger.error("tensor-parallel %s: aborting the NCCL communicators", ranks.dead())
+        worker.abandon_graphs()
         dist.distributed_c10d._abort_process_group()
 
 
@@ -187,5 +189,6 @@ def _close(channel: StepChannel, ranks: RankProcesses, state: dict, worker) -> N
             if healthy or dist.get_backend() != "nccl":
                 dist.destroy_process_group()  # the ranks destroy theirs on the stop message
             else:
+                worker.abandon_graphs()
                 dist.distributed_c10d._abort_process_group()  # a destroy would wait for the dead rank
     ranks.stop(_STOP_GRACE_S if healthy else 0.0)

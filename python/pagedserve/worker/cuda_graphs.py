@@ -11,8 +11,9 @@ for max_model_len, so one capture serves every context length.
 
 from __future__ import annotations
 
-import logging
 import gc
+import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -36,9 +37,14 @@ class CapturedDecode:
     batch_size: int
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # the graph's output, overwritten by each replay
+    launching: threading.Lock  # held while the host launches the graph (see CudaGraphs.abandon)
+    destroyed: bool = False
 
     def replay(self) -> torch.Tensor:
-        self.graph.replay()
+        with self.launching:
+            if self.destroyed:
+                raise RuntimeError("the decode CUDA graphs were destroyed (a tensor-parallel peer died)")
+            self.graph.replay()
         return self.hidden
 
 
@@ -46,6 +52,7 @@ class CudaGraphs:
     def __init__(self, model, kv_cache: torch.Tensor, inputs: StepInputs, max_num_seqs: int, max_seq_len: int):
         self.sizes = batch_size_ladder(max_num_seqs)
         self._by_size: dict[int, CapturedDecode] = {}
+        self._launching = threading.Lock()
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         inputs.fill_capture_batch(max_num_seqs)
@@ -56,7 +63,7 @@ class CudaGraphs:
         gc.disable()
         try:
             for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-                self._by_size[bs] = self._capture(model, kv_cache, inputs, bs, max_seq_len, pool)
+                self._by_size[bs] = self._capture(model, kv_cache, inputs, bs, max_seq_len, pool, self._launching)
         finally:
             gc.enable()
         torch.cuda.synchronize()
@@ -68,23 +75,38 @@ class CudaGraphs:
             self._size_for[s] = next(b for b in self.sizes if b >= s)
 
     @staticmethod
-    def _capture(model, kv_cache, inputs: StepInputs, bs: int, max_seq_len: int, pool) -> CapturedDecode:
+    def _capture(model, kv_cache, inputs: StepInputs, bs: int, max_seq_len: int, pool,
+                 launching: threading.Lock) -> CapturedDecode:
         input_ids, positions, attn = inputs.decode_views(bs, max_seq_len)
         model.forward(input_ids, positions, attn, kv_cache)  # warm up: library handles, autotuning
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             hidden = model.forward(input_ids, positions, attn, kv_cache)
-        return CapturedDecode(bs, graph, hidden)
+        return CapturedDecode(bs, graph, hidden, launching)
 
     def release(self) -> None:
         """Destroys the graphs (NCCL waits for the graphs that captured a communicator before destroying
         it: tensor-parallel shutdown hung on them); lookups find none afterwards."""
         torch.cuda.synchronize()
-        for captured in self._by_size.values():
-            captured.graph.reset()
+        self._destroy()
         self._by_size.clear()
         self._size_for = np.zeros(1, dtype=np.int64)
+
+    def abandon(self) -> None:
+        """Destroys the graphs without waiting for the device, from any thread: after a tensor-parallel
+        peer died, a replay sits in a collective that only an abort of the communicators ends, and NCCL's
+        abort in turn waits until every graph that captured them is destroyed. CUDA frees a graph that is
+        still executing when it completes; the lock keeps the destroy out of a launch in progress, and a
+        later replay raises."""
+        self._destroy()
+
+    def _destroy(self) -> None:
+        with self._launching:
+            for captured in self._by_size.values():
+                if not captured.destroyed:
+                    captured.destroyed = True
+                    captured.graph.reset()
 
     def lookup(self, step) -> Optional[CapturedDecode]:
         n = step.num_seqs

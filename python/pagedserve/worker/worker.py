@@ -111,6 +111,12 @@ class Worker:
         if self.runner.graphs is not None:
             self.runner.graphs.release()
 
+    def abandon_graphs(self) -> None:
+        """Destroys the captured CUDA graphs without waiting for the device (a tensor-parallel peer died
+        while one ran: see CudaGraphs.abandon); any thread may call it."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.abandon()
+
     def _step_inputs(self, config: EngineConfig, max_model_len: int) -> StepInputs:
         return StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
                           math.ceil(max_model_len / config.block_size), self.device, self._workspace)
