@@ -78,8 +78,8 @@ TEST(TensorView, RejectsWhatItCannotRepresent) {
   std::vector<float> storage(8);
   FakeDLPack vector_type({2}, DLDataType{kDLFloat, 32, 4}, storage.data());
   EXPECT_TRUE(testing::throws_invalid([&] { view_from_dlpack(&vector_type.managed); }, "lanes = 4"));
-  FakeDLPack float64({2}, DLDataType{kDLFloat, 64, 1}, storage.data());
-  EXPECT_TRUE(testing::throws_invalid([&] { view_from_dlpack(&float64.managed); }, "unsupported dtype float64"));
+  FakeDLPack float8({2}, DLDataType{kDLFloat, 8, 1}, storage.data());
+  EXPECT_TRUE(testing::throws_invalid([&] { view_from_dlpack(&float8.managed); }, "unsupported dtype float8"));
   FakeDLPack uint16({2}, DLDataType{kDLUInt, 16, 1}, storage.data());  // uint8 is a dtype (GGUF blocks)
   EXPECT_TRUE(testing::throws_invalid([&] { view_from_dlpack(&uint16.managed); }, "unsupported dtype uint16"));
   FakeDLPack too_many_dims({1, 1, 1, 1, 1, 1, 2}, DLDataType{kDLFloat, 32, 1}, storage.data());

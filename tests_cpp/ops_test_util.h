@@ -32,6 +32,7 @@ constexpr DType dtype_of() {
   if constexpr (std::is_same_v<T, int32_t>) return DType::kInt32;
   if constexpr (std::is_same_v<T, int64_t>) return DType::kInt64;
   if constexpr (std::is_same_v<T, uint8_t>) return DType::kUInt8;
+  if constexpr (std::is_same_v<T, double>) return DType::kFloat64;
 }
 
 // A contiguous tensor owning its storage; view() lends it to an op.

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and _core.has_cuda and torch.cuda.device_count() >= 2),
     reason="needs two CUDA GPUs and USE_CUDA=ON")
 
-TOL = 1e-4
+TOL, RTOL = 1e-4, 1e-6  # cuBLAS may sum a column-parallel shard's outputs in another order than the whole's
 CASES = ["llama_one_kv_head", "qwen3_moe_norm_topk_sparse_step", "gemma"]
 
 
@@ -51,7 +51,7 @@ def case(request, tmp_path_factory):
 
 def test_nccl_tp2_equals_tp1_with_cuda_graphs_and_prefix_hits(case):
     name, path, baseline = case
-    worst = check_whole_and_prefix_cached(make_llm(path, 2), baseline, 16, TOL)
+    worst = check_whole_and_prefix_cached(make_llm(path, 2), baseline, 16, TOL, RTOL)
     print(f"\n{name}: NCCL TP=2 vs TP=1 max |logprob difference| = {worst:.1e}")
 
 
@@ -64,7 +64,7 @@ def test_nccl_tp2_eager_equals_tp1(tmp_path):
             outs[tp] = run(llm, batch())
         finally:
             llm.shutdown()
-    check_same(outs[2], outs[1], TOL)
+    check_same(outs[2], outs[1], TOL, RTOL)
 
 
 def gpu_processes(index: int) -> set[int]:

@@ -207,7 +207,7 @@ def test_errors_name_op_and_argument(gen):
     x = randn(4, 64, gen=gen)
     w = randn(64, gen=gen)
     out = torch.empty_like(x)
-    with pytest.raises(ValueError, match=r"rms_norm: x: unsupported dtype float64"):
+    with pytest.raises(ValueError, match=r"rms_norm: x must be float32, float16 or bfloat16, got float64"):
         ops.rms_norm(out, x.double(), w, 1e-5)
     with pytest.raises(ValueError, match=r"rms_norm: weight must have the same dtype"):
         ops.rms_norm(out, x, w.half(), 1e-5)

@@ -1,6 +1,7 @@
-"""The matrix kernels of cpu_ops_bench.py: packed_linear (float32-exact), packed_linear_bf16 (bf16
-activations) and int8_linear (int8 channels) at SmolLM2-135M's projection shapes, as GB/s of weights
-streamed and GFLOP/s (2 M N K per product), per shape, batch size and mode.
+"""The matrix kernels of cpu_ops_bench.py: packed_linear (float32-exact), packed_linear_float64_sums (the
+row-parallel products under float32: float64 sums), packed_linear_bf16 (bf16 activations) and int8_linear
+(int8 channels) at SmolLM2-135M's projection shapes, as GB/s of weights streamed and GFLOP/s (2 M N K per
+product), per shape, batch size and mode.
 
 At M = 1 a product reads each weight once and does two flops per weight: it is bound by memory
 bandwidth, and the figure to compare is GB/s against the LM head's (the largest matrix, the one that
@@ -57,6 +58,8 @@ def _kernels(weight: torch.Tensor, cold: bool) -> dict:
         return items[turn["i"] % len(items)]
 
     return {"float32": (packed[0].numel() * 2, lambda out, x: ops.packed_linear(out, x, next_of(packed))),
+            "float64_sums": (packed[0].numel() * 2,
+                             lambda out, x: ops.packed_linear_float64_sums(out, x, next_of(packed))),
             "bfloat16": (packed[0].numel() * 2, lambda out, x: ops.packed_linear_bf16(out, x, next_of(packed))),
             "int8": (q_bytes, lambda out, x: ops.int8_linear(out, x, next_of(q)))}
 

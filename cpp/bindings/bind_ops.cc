@@ -158,6 +158,10 @@ void bind_ops(py::module_& m) {
   def_op<kRelease>(m, "packed_linear", &ops::packed_linear,
                    "out = x W^T (+ bias) in float32, W in packed bf16 tiles; x [M, K], out [M, N].",
                    py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("bias") = py::none());
+  def_op<kRelease>(m, "packed_linear_float64_sums", &ops::packed_linear_float64_sums,
+                   "out = x W^T, W in packed bf16 tiles, every sum in float64; x [M, K] float32, out [M, N] "
+                   "float32 (rounded sums + bias) or float64 (the sums alone, no bias).",
+                   py::arg("out"), py::arg("x"), py::arg("packed_weight"), py::arg("bias") = py::none());
   def_op<kRelease>(m, "packed_linear_bf16", &ops::packed_linear_bf16,
                    "out = bf16(x) W^T (+ bias), bf16 activations (float32 x rounded to nearest-even), float32 "
                    "sums; x [M, K] float32/bfloat16, out [M, N] float32/bfloat16.",

@@ -74,6 +74,9 @@ void linear(const TensorView& out, const TensorView& x, const LinearWeights& w) 
     case LinearFormat::kGguf:
       gguf_linear(out, x, w.packed, w.ggml_type, w.bias);
       return;
+    case LinearFormat::kPackedBf16Float64Sums:
+      packed_linear_float64_sums(out, x, w.packed, w.bias);
+      return;
   }
   fail_argument(kOp, "unknown linear format " + std::to_string(static_cast<int>(w.format)));
 }

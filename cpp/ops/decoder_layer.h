@@ -42,6 +42,8 @@ enum class LinearFormat : uint8_t {
   kPackedBf16,  // packed_linear: bf16 tiles, float32 activations (PackedBf16)
   kPackedBf16Activations,  // packed_linear_bf16: the same tiles, bf16-rounded activations (PackedBf16Activations)
   kGguf,  // gguf_linear: a GGUF file's blocks of one ggml type, float32 activations (GgufLinear)
+  kPackedBf16Float64Sums,  // packed_linear_float64_sums: bf16 tiles, float32 activations, float64 sums
+                           // (PackedBf16 on a product tensor parallelism splits over its input: float64_sums.py)
 };
 
 // One Linear: y = x W^T (+ bias), W [out_features, in_features] in `format`.

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "ops/kv_cache_layout.h"
+#include "ops/packed_weight_layout.h"
 
 namespace pagedserve::ops {
 namespace {
@@ -131,6 +132,22 @@ void require_tensor_of(std::string_view op, std::string_view arg, const TensorVi
                        DType dtype) {
   require_tensor(op, arg, t, device, ndim);
   require_dtype(op, arg, t, dtype);
+}
+
+void check_packed_linear_operands(std::string_view op, const TensorView& out, const TensorView& x,
+                                  const TensorView& packed_weight, const std::optional<TensorView>& bias) {
+  require_tensor(op, "x", x, Device::kCPU, 2);
+  require_tensor(op, "out", out, Device::kCPU, 2);
+  require_size(op, "out", out, 0, x.size(0));
+  const int64_t out_features = out.size(1);
+  require_tensor_of(op, "packed_weight", packed_weight, Device::kCPU, 3, DType::kBFloat16);
+  require_size(op, "packed_weight", packed_weight, 0, packed_col_tiles(out_features));
+  require_size(op, "packed_weight", packed_weight, 1, packed_k_pairs(x.size(1)));
+  require_size(op, "packed_weight", packed_weight, 2, 2 * kPackedCols);
+  if (bias) {
+    require_tensor_of(op, "bias", *bias, Device::kCPU, 1, DType::kFloat32);
+    require_size(op, "bias", *bias, 0, out_features);
+  }
 }
 
 void require_same_device(std::string_view op, std::string_view arg, const TensorView& t, const TensorView& like) {

@@ -25,6 +25,7 @@
 // defined, with the helpers below.
 #pragma once
 
+#include <optional>
 #include <string_view>
 
 #include "ops/attention_options.h"
@@ -112,6 +113,11 @@ void require_float_tensor(std::string_view op, std::string_view arg, const Tenso
 // ... of dtype `dtype`.
 void require_tensor_of(std::string_view op, std::string_view arg, const TensorView& t, Device device, int ndim,
                        DType dtype);
+// The operands of a product by packed bf16 tiles (packed_weight_layout.h), beside the dtypes of x and
+// out, which each op states: x [M, K] and out [M, N] on the CPU; packed_weight [ceil(N / 16), K_pad / 2, 32]
+// bfloat16; bias [N] float32.
+void check_packed_linear_operands(std::string_view op, const TensorView& out, const TensorView& x,
+                                  const TensorView& packed_weight, const std::optional<TensorView>& bias);
 // expert_offsets: [num_experts + 1] int32, non-decreasing within [0, rows]
 // (the entries are read, so only on the CPU).
 void require_expert_offsets(std::string_view op, const TensorView& offsets, int64_t num_experts, int64_t rows);

@@ -88,6 +88,14 @@ void pack_linear_weight(const TensorView& packed, const TensorView& weight);
 void packed_linear(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
                    const std::optional<TensorView>& bias);
 
+// out = x W^T with every sum in float64 (packed_linear_float64.cc), W packed by
+// pack_linear_weight: the products tensor parallelism splits over their input,
+// in float32, so that TP = N rounds the same sums as TP = 1. x: [M, K] float32;
+// out: [M, N] float32 (float32(sum) + bias) or float64 (the sums; no bias);
+// bias: [N] float32.
+void packed_linear_float64_sums(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
+                                const std::optional<TensorView>& bias);
+
 // out = bf16(x) W^T (+ bias) with bf16 activations (packed_linear_bf16.cc):
 // x float32 (rounded to bf16, nearest-even) or bfloat16; every product of
 // two bf16 values is exact, the sums are float32, out is float32 or bfloat16

@@ -292,13 +292,6 @@ void run_row_chunk(const LinearProblem& p, int64_t row_begin, int64_t row_end) {
   });
 }
 
-void check_packed_weight(std::string_view op, const TensorView& packed, int64_t out_features, int64_t in_features) {
-  require_tensor_of(op, "packed_weight", packed, Device::kCPU, 3, DType::kBFloat16);
-  require_size(op, "packed_weight", packed, 0, packed_col_tiles(out_features));
-  require_size(op, "packed_weight", packed, 1, packed_k_pairs(in_features));
-  require_size(op, "packed_weight", packed, 2, 2 * kPackedCols);
-}
-
 }  // namespace
 
 void pack_linear_weight(const TensorView& packed, const TensorView& weight) {
@@ -306,7 +299,10 @@ void pack_linear_weight(const TensorView& packed, const TensorView& weight) {
   require_float_tensor(op, "weight", weight, Device::kCPU, 2);
   const int64_t out_features = weight.size(0);
   const int64_t in_features = weight.size(1);
-  check_packed_weight(op, packed, out_features, in_features);
+  require_tensor_of(op, "packed_weight", packed, Device::kCPU, 3, DType::kBFloat16);
+  require_size(op, "packed_weight", packed, 0, packed_col_tiles(out_features));
+  require_size(op, "packed_weight", packed, 1, packed_k_pairs(in_features));
+  require_size(op, "packed_weight", packed, 2, 2 * kPackedCols);
   auto* dst = packed.ptr<BFloat16>();
   std::memset(dst, 0, static_cast<size_t>(packed.numel()) * sizeof(BFloat16));  // padding is zero
   dispatch_float(weight.dtype, op, [&]<typename T>() {
@@ -322,19 +318,12 @@ void pack_linear_weight(const TensorView& packed, const TensorView& weight) {
 void packed_linear(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
                    const std::optional<TensorView>& bias) {
   constexpr std::string_view op = "packed_linear";
-  require_float_tensor(op, "x", x, Device::kCPU, 2);
-  require_float_tensor(op, "out", out, Device::kCPU, 2);
-  require_dtype(op, "x", x, DType::kFloat32);
-  require_dtype(op, "out", out, DType::kFloat32);
+  require_tensor_of(op, "x", x, Device::kCPU, 2, DType::kFloat32);
+  require_tensor_of(op, "out", out, Device::kCPU, 2, DType::kFloat32);
+  check_packed_linear_operands(op, out, x, packed_weight, bias);
   const int64_t rows = x.size(0);
   const int64_t in_features = x.size(1);
   const int64_t out_features = out.size(1);
-  require_size(op, "out", out, 0, rows);
-  check_packed_weight(op, packed_weight, out_features, in_features);
-  if (bias) {
-    require_tensor_of(op, "bias", *bias, Device::kCPU, 1, DType::kFloat32);
-    require_size(op, "bias", *bias, 0, out_features);
-  }
   const LinearProblem p{x.ptr<float>(),  packed_weight.ptr<uint32_t>(), bias ? bias->ptr<float>() : nullptr,
                         out.ptr<float>(), rows, in_features, out_features, packed_k_pairs(in_features)};
   for (int64_t row_begin = 0; row_begin < rows; row_begin += kRowChunk) {

@@ -255,16 +255,7 @@ void check_bf16_linear(const TensorView& out, const TensorView& x, const TensorV
   for (const auto& [name, t] : {std::pair<std::string_view, const TensorView&>{"x", x}, {"out", out}}) {
     PS_REQUIRE(t.dtype != DType::kFloat16, op, std::string(name) + " must be float32 or bfloat16, got float16");
   }
-  const int64_t out_features = out.size(1);
-  require_size(op, "out", out, 0, x.size(0));
-  require_tensor_of(op, "packed_weight", packed, Device::kCPU, 3, DType::kBFloat16);
-  require_size(op, "packed_weight", packed, 0, packed_col_tiles(out_features));
-  require_size(op, "packed_weight", packed, 1, packed_k_pairs(x.size(1)));
-  require_size(op, "packed_weight", packed, 2, 2 * kPackedCols);
-  if (bias) {
-    require_tensor_of(op, "bias", *bias, Device::kCPU, 1, DType::kFloat32);
-    require_size(op, "bias", *bias, 0, out_features);
-  }
+  check_packed_linear_operands(op, out, x, packed, bias);
 }
 
 }  // namespace

@@ -51,8 +51,9 @@ DType dtype_from_dlpack(const DLDataType& type) {
   if (type.code == kDLInt && type.bits == 32) return DType::kInt32;
   if (type.code == kDLInt && type.bits == 64) return DType::kInt64;
   if (type.code == kDLUInt && type.bits == 8) return DType::kUInt8;
-  fail("view_from_dlpack",
-       "unsupported dtype " + dlpack_dtype_name(type) + "; expected float32, float16, bfloat16, int32, int64 or uint8");
+  if (type.code == kDLFloat && type.bits == 64) return DType::kFloat64;
+  fail("view_from_dlpack", "unsupported dtype " + dlpack_dtype_name(type) +
+                               "; expected float32, float16, bfloat16, int32, int64, uint8 or float64");
 }
 
 Device device_from_dlpack(const DLDevice& device) {
@@ -78,6 +79,7 @@ std::string_view dtype_name(DType dtype) {
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
     case DType::kUInt8: return "uint8";
+    case DType::kFloat64: return "float64";
   }
   return "unknown";
 }
@@ -90,6 +92,7 @@ int element_size(DType dtype) {
     case DType::kBFloat16: return 2;
     case DType::kInt64: return 8;
     case DType::kUInt8: return 1;
+    case DType::kFloat64: return 8;
   }
   return 0;
 }

@@ -12,7 +12,8 @@
 
 namespace pagedserve::ops {
 
-enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kUInt8 };  // kUInt8: raw bytes (GGUF blocks)
+// kUInt8: raw bytes (GGUF blocks); kFloat64: sums handed between tensor-parallel ranks (packed_linear_float64_sums).
+enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kUInt8, kFloat64 };
 enum class Device : uint8_t { kCPU, kCUDA };
 
 std::string_view dtype_name(DType dtype);

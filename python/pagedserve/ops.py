@@ -26,8 +26,8 @@ __all__ = [
     "rms_norm", "fused_add_rms_norm", "rope_cos_sin_cache", "rotary_embedding", "silu_and_mul", "reshape_and_cache",
     "copy_blocks", "paged_attention", "grouped_linear", "small_batch_linear", "qkv_rope_cache",
     "qkv_linear_rope_cache", "MAX_SMALL_BATCH_ROWS", "set_num_threads", "num_threads", "cpu_isa", "sample_tokens",
-    "pack_linear_weight", "packed_linear", "packed_linear_bf16", "cpu_kernels", "Int8Weight", "quantize_int8_weight",
-    "int8_linear", "pack_grouped_weight", "packed_grouped_linear", "gguf_linear", "gguf_dequantize_rows"
+    "pack_linear_weight", "packed_linear", "packed_linear_bf16", "packed_linear_float64_sums", "cpu_kernels",
+    "Int8Weight", "quantize_int8_weight", "int8_linear", "pack_grouped_weight", "packed_grouped_linear", "gguf_linear", "gguf_dequantize_rows"
 ]
 
 
@@ -225,6 +225,13 @@ def packed_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tenso
                   bias: Optional[torch.Tensor] = None) -> None:
     """out = x W^T (+ bias) in float32 on the CPU, W from pack_linear_weight. x [M, K], out [M, N] float32."""
     _cpu_ops.packed_linear(_dl(out), _dl(x), _dl(packed_weight), None if bias is None else _dl(bias))
+
+
+def packed_linear_float64_sums(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tensor,
+                               bias: Optional[torch.Tensor] = None) -> None:
+    """out = x W^T on the CPU with every sum in float64 (a row-parallel product under float32: layers.Linear's
+    float64_sums). x [M, K] float32; out [M, N] float32 (the rounded sums + bias) or float64 (the sums alone)."""
+    _cpu_ops.packed_linear_float64_sums(_dl(out), _dl(x), _dl(packed_weight), None if bias is None else _dl(bias))
 
 
 def packed_linear_bf16(out: torch.Tensor, x: torch.Tensor, packed_weight: torch.Tensor,

@@ -21,11 +21,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedserve.models.linear_kernels import LinearKernel
+
 SLICE_ROWS = 128
 
 
-class FixedSliceProduct:
-    """A LinearKernel (linear_kernels.py) for CUDA: x W^T + b in SLICE_ROWS-row slices of x."""
+class FixedSliceProduct(LinearKernel):
+    """A LinearKernel for CUDA: x W^T + b in SLICE_ROWS-row slices of x."""
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight

@@ -11,7 +11,8 @@ Phi-3: RMSNorm, SiLU-gated MLP, optional q/k/v/o biases, q/k RMSNorm, layers wit
 rope, sliding windows, one rope table) whose linears all use a kernel the stack knows
 (_LINEAR_FORMATS: the bf16 tiles CPU packing makes, or a GGUF file's blocks of one type
 per linear, its embedding table kept as blocks too). Anything else keeps the per-op
-path; the decision is made once, after the weights are packed.
+path; the decision is made once, after the weights are packed. Under float32 the o and
+down products sum in float64 as the per-op path's do (Linear.float64_sums).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ class FusedDecoderStack:
             gate_up=_dl(weights[2]), gate_up_bias=_optional(mlp.gate_up_proj.bias),
             down=_dl(weights[3]), down_bias=_optional(mlp.down_proj.bias),
             linear_format=_LINEAR_FORMATS[type(kernels[0])],
-            ggml_types=[k.one_segment.ggml_type for k in kernels] if isinstance(kernels[0], GgufLinear) else [])
+            ggml_types=[k.one_segment.ggml_type for k in kernels] if isinstance(kernels[0], GgufLinear) else [],
+            output_float64_sums=type(kernels[0]) is PackedBf16 and attn.o_proj.float64_sums)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                  kv_cache: torch.Tensor) -> torch.Tensor:
@@ -152,6 +154,8 @@ def _layer_reason(layer) -> Optional[str]:
         return f"its linears use {', '.join(names)}, not one format the stack runs"
     if any(isinstance(linear.kernel, GgufLinear) and linear.kernel.one_segment is None for linear in linears):
         return "a GGUF linear whose rows mix block types or dense rows"
+    if [linear.float64_sums for linear in linears] not in ([False] * 4, [False, True, False, True]):
+        return "its linears form float64 sums (Linear.float64_sums) elsewhere than in o and down"
     return None
 
 

@@ -33,16 +33,24 @@ class Linear(nn.Module):
 
     On a CPU the weight may be replaced after loading by a kernel that keeps it in another format
     (linear_kernels.py: bf16 tiles, see cpu_weight_packing.py); the forward then runs the kernel.
+
+    float64_sums: the products tensor parallelism splits over their input (parallel_layers.row_linear) form
+    every sum in float64 where their arithmetic is float32, at every rank count, and round once to float32
+    after the sums are complete (after the all-reduce on several ranks): the float32 rounding of one sum and
+    of a sum of partial sums then agree, so TP = N gives TP = 1's numbers (cpp/ops/packed_linear_float64.cc
+    says why). A float32 model's other products, and every product in 16-bit or quantized formats, sum as
+    their kernels do.
     """
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, float64_sums: bool = False):
         super().__init__()
         self.output_sizes = tuple(output_sizes)
         self.out_features = sum(self.output_sizes)
         self.weight = _empty_parameter((self.out_features, in_features), dtype, device)
         self.bias = _empty_parameter((self.out_features,), dtype, device) if bias else None
         self.kernel: Optional[LinearKernel] = None
+        self.float64_sums = float64_sums and dtype == torch.float32
 
     def use_kernel(self, kernel: LinearKernel) -> None:
         """Keeps the weight only in the kernel's format from now on."""
@@ -54,10 +62,22 @@ class Linear(nn.Module):
         self.use_kernel(PackedBf16(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sums = self.sums_in_float64(x)
+        if sums is not None:
+            out = sums.to(x.dtype)
+            return out if self.bias is None else out.add_(self.bias)
         if self.kernel is not None:
             return self.kernel(x, self.bias)
         out = small_batch_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias) if out is None else out
+
+    def sums_in_float64(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """x W^T as float64 sums without the bias where float64_sums applies (see the class), else None."""
+        if not self.float64_sums:
+            return None
+        if self.kernel is not None:
+            return self.kernel.float64_sums(x)
+        return F.linear(x.double(), self.weight.double())
 
     def small_batch_operands(self, x: torch.Tensor) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """(weight, bias) for a fused small-batch kernel taking x W^T + b where one applies
@@ -221,28 +241,42 @@ class SiluAndMul(nn.Module):
         return out
 
 
+def position_free(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """fn, evaluated in float64 and rounded once for float32 CPU tensors. torch's CPU elementwise kernels run
+    the last elements of each thread's range (under two vectors) through scalar libm and the rest through SLEEF
+    vectors, which differ in the last ulp, so an element's float32 result depends on where it sits in the
+    tensor, and tensor parallelism moves it (a rank holds part of each row: Gemma's GeGLU differed by 2e-5 in
+    the logprobs, TP = 2 against 1). Both paths round a float64 result to the same float32, but for ties."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            return fn(x.double()).to(torch.float32)
+        return fn(x)
+    return run
+
+
 class GeluAndMul(nn.Module):
     """GeGLU: gelu(x[:, :I]) * x[:, I:]; ``approximate`` "tanh" for gelu_pytorch_tanh (Gemma)."""
 
     def __init__(self, approximate: str = "tanh"):
         super().__init__()
-        self.approximate = approximate
+        self.gelu = position_free(lambda x: F.gelu(x, approximate=approximate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         half = x.shape[1] // 2
-        return F.gelu(x[:, :half], approximate=self.approximate) * x[:, half:]
+        return self.gelu(x[:, :half]) * x[:, half:]
 
 
 def activation(name: str):
-    """The plain (ungated) activation for a HF hidden_act name, as transformers computes it."""
+    """The plain (ungated) activation for a HF hidden_act name, as transformers computes it (position_free)."""
     if name == "gelu_new":  # transformers' NewGELUActivation, formula for formula
-        return lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+        return position_free(
+            lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))))
     if name in ("gelu_pytorch_tanh", "gelu_tanh"):
-        return lambda x: F.gelu(x, approximate="tanh")
+        return position_free(lambda x: F.gelu(x, approximate="tanh"))
     if name == "gelu":
-        return F.gelu
+        return position_free(F.gelu)
     if name == "silu":
-        return F.silu
+        return position_free(F.silu)
     raise ValueError(f"hidden_act {name!r} is not supported")
 
 

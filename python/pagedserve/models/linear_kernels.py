@@ -25,6 +25,12 @@ class LinearKernel(Protocol):
     def nbytes(self) -> int:
         """Bytes the weight occupies (what a step streams)."""
 
+    def float64_sums(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """x W^T [M, out_features] float64, every sum formed in float64 and no bias, where this format's
+        arithmetic is float32 (layers.Linear's float64_sums); None where it is not (activations rounded to
+        bf16 or int8, GGUF blocks), and such a product sums as it always does."""
+        return None
+
 
 class PackedBf16(LinearKernel):
     """The weight as bf16 tiles (cpp/ops/packed_weight_layout.h), float32 arithmetic: exact for a weight that
@@ -37,6 +43,11 @@ class PackedBf16(LinearKernel):
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         ops.packed_linear(out, x, self.packed, bias)
+        return out
+
+    def float64_sums(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float64)
+        ops.packed_linear_float64_sums(out, x, self.packed, None)
         return out
 
     def nbytes(self) -> int:
@@ -52,6 +63,9 @@ class PackedBf16Activations(PackedBf16):
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         ops.packed_linear_bf16(out, x, self.packed, bias)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def float64_sums(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        return None  # bf16 activations: the products themselves are rounded
 
 
 class PackedBf16Rows:

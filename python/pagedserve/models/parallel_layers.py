@@ -5,6 +5,8 @@
                    and its local q, k and v are whole heads; no communication in the forward.
   row-parallel     input columns split (attention output, down, fc2): each rank multiplies its
                    columns, one all-reduce sums the partial products, the bias is added once after.
+                   In float32 the sums are float64 until after the all-reduce, with one rank too
+                   (layers.Linear's float64_sums): TP = N then gives TP = 1's numbers.
   vocab-parallel   the embedding's rows split by token id: a rank looks up the ids it holds, zeros
                    elsewhere, one all-reduce; the LM head shares the shard (tied or not) and its
                    logits are gathered to the driver, which alone samples.
@@ -92,22 +94,28 @@ class RowParallelLinear(Linear):
 
     def __init__(self, columns: Block, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
                  parallel: ParallelContext, reduce: bool = True):
-        super().__init__(columns.length, (out_features,), bias, dtype, device)
+        super().__init__(columns.length, (out_features,), bias, dtype, device, float64_sums=reduce)
         self.shard = LinearShard(1, (columns,))
         self.parallel = parallel
         self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            out = self.kernel(x, None)
+        sums = self.sums_in_float64(x)
+        if sums is not None:  # all-reduced as float64 partial sums, rounded once (Linear's float64_sums)
+            out = self.parallel.all_reduce(sums).to(x.dtype)
         else:
-            out = small_batch_product(x, self.weight, None)
-            out = F.linear(x, self.weight) if out is None else out
-        if self.reduce:
-            self.parallel.all_reduce(out)
+            out = self._product(x)
+            if self.reduce:
+                self.parallel.all_reduce(out)
         if self.bias is not None and (self.reduce or self.parallel.is_driver):  # once over the ranks
             out += self.bias
         return out
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, None)
+        out = small_batch_product(x, self.weight, None)
+        return F.linear(x, self.weight) if out is None else out
 
 
 class VocabParallelEmbedding(Embedding):
@@ -229,8 +237,8 @@ def column_linear(in_features: int, output_sizes: Sequence[int], bias: bool, dty
 def row_linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device,
                parallel: ParallelContext = SINGLE, reduce: bool = True, columns: Optional[Block] = None) -> Linear:
     """columns: this rank's input columns (default: the balanced split, matching column_linear's)."""
-    if not parallel.is_parallel:
-        return Linear(in_features, (out_features,), bias, dtype, device)
+    if not parallel.is_parallel:  # a plain Linear, summing as its shards would (Linear's float64_sums)
+        return Linear(in_features, (out_features,), bias, dtype, device, float64_sums=reduce)
     return RowParallelLinear(columns or split_block(in_features, parallel), out_features, bias, dtype, device,
                              parallel, reduce)
 

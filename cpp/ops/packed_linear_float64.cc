@@ -1,0 +1,209 @@
+// y = x W^T with W in packed_linear's bf16 tiles and every sum formed in
+// float64: the products that tensor parallelism splits over their input
+// (attention output, down projection) when a model runs in float32, so that
+// TP = N adds up to the same float32 numbers as TP = 1
+// (python/pagedserve/models/float64_sums.py).
+//
+// Why float64 sums make the rank count irrelevant: a bf16 weight has 8
+// significant bits and a float32 activation 24, so every product is exact in
+// float64 (53 bits), and a float64 sum of K of them lies within about
+// K * 2^-53 of the exact sum (relative to the sum of magnitudes), far inside
+// half a float32 ulp (2^-25 relative). Rounded to float32 once - after
+// TP = 1's single sum, or after the ranks' partial sums are added - both give
+// the float32 nearest the exact sum, unless that sum lies within the margin
+// of a rounding tie (rare: the margin is some K * 2^-29 of a float32 ulp,
+// widened by cancellation). With float32 sums most outputs differ by an ulp or
+// more between the two orders, and SmolLM2-135M's 30 layers carry that to
+// 2e-5 in its logprobs (tests_py/test_tensor_parallel.py).
+//
+// out float32: float32(sum) + bias, the bias added in float32 as it is after
+// an all-reduce. out float64: the sums alone (a rank's partial products, to be
+// all-reduced in float64), no bias.
+//
+// The order of the sums, the same in both kernels so that every ISA gives the
+// same bits: the even k and the odd k in two sums, each ascending from 0.0,
+// then even + odd (two independent chains halve the multiply-add latency a
+// decode step's single row waits on; exact products make a fused multiply-add
+// and a multiply then add round alike). Kernels: AVX-512 (a column tile as two
+// vectors of 8 doubles, up to 6 rows of x in registers) and portable loops.
+#include <algorithm>
+#include <bit>
+#include <optional>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#include "ops/cpu_isa.h"
+#include "ops/op_contracts.h"
+#include "ops/ops.h"
+#include "ops/packed_weight_layout.h"
+#include "ops/parallel.h"
+#include "ops/tile_kernel_driver.h"
+
+namespace pagedserve::ops {
+namespace {
+
+constexpr int64_t kRowChunk = 128;  // rows of x that every weight tile passes over while it is in cache
+// 6 rows x 4 vectors of accumulators + 4 weight vectors + 2 broadcasts = 30 of the 32 zmm registers.
+constexpr int kAvx512BlockRows = 6;
+constexpr int64_t kTileWords = kPackedCols;  // 32-bit words (bf16 pairs) per packed row
+
+struct Float64Problem {
+  const float* x;          // [M, K]
+  const uint32_t* packed;  // [tiles, k_pairs, 16] words, each a pair of bf16
+  const float* bias;       // [N] or null (float32 out only)
+  float* out32;            // [M, N], or null
+  double* out64;           // [M, N], or null
+  int64_t in_features;     // K
+  int64_t out_features;    // N
+  int64_t k_pairs;
+
+  const uint32_t* tile(int64_t t) const { return packed + t * k_pairs * kTileWords; }
+  int64_t valid_cols(int64_t t) const { return std::min(kPackedCols, out_features - t * kPackedCols); }
+
+  // Writes row `row`'s sums of tile t's columns.
+  void store(int64_t t, int64_t row, const double* sums) const {
+    const int64_t col0 = t * kPackedCols;
+    for (int64_t c = 0; c < valid_cols(t); ++c) {
+      if (out64 != nullptr) {
+        out64[row * out_features + col0 + c] = sums[c];
+      } else {
+        out32[row * out_features + col0 + c] =
+            static_cast<float>(sums[c]) + (bias != nullptr ? bias[col0 + c] : 0.0f);
+      }
+    }
+  }
+};
+
+PS_ALWAYS_INLINE double low_bf16(uint32_t word) { return std::bit_cast<float>(word << 16); }
+PS_ALWAYS_INLINE double high_bf16(uint32_t word) { return std::bit_cast<float>(word & 0xffff0000u); }
+
+PS_ALWAYS_INLINE void tile_portable(const Float64Problem& p, int64_t t, int64_t row_begin, int64_t row_end) {
+  const uint32_t* words = p.tile(t);
+  for (int64_t row = row_begin; row < row_end; ++row) {
+    double even[kPackedCols] = {}, odd[kPackedCols] = {};
+    const float* x = p.x + row * p.in_features;
+    for (int64_t k = 0; k < p.in_features; ++k) {
+      const double xv = x[k];
+      const uint32_t* w = words + (k / 2) * kTileWords;
+      if (k % 2 == 0) {
+        for (int64_t c = 0; c < kPackedCols; ++c) even[c] += low_bf16(w[c]) * xv;
+      } else {
+        for (int64_t c = 0; c < kPackedCols; ++c) odd[c] += high_bf16(w[c]) * xv;
+      }
+    }
+    for (int64_t c = 0; c < kPackedCols; ++c) even[c] += odd[c];
+    p.store(t, row, even);
+  }
+}
+
+#if PS_X86_MULTIVERSION
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see packed_linear.cc)
+
+// The 16 float32 lanes of v as two vectors of 8 doubles (exact).
+[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE void widen(__m512 v, __m512d& low, __m512d& high) {
+  low = _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+  high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// Rows [row0, row0 + kRows) x column tile t.
+template <int kRows>
+[[gnu::target("arch=x86-64-v4")]] void block_avx512(const Float64Problem& p, int64_t t, int64_t row0) {
+  const int64_t k_size = p.in_features;
+  const uint32_t* words = p.tile(t);
+  const float* x = p.x + row0 * k_size;
+  // [even low, even high, odd low, odd high][row]: columns 0-7 and 8-15 of the even and odd sums.
+  __m512d acc[4][kRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) acc[0][r] = acc[1][r] = acc[2][r] = acc[3][r] = _mm512_setzero_pd();
+  const __m512i high_mask = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const int64_t full_pairs = k_size / 2;
+  for (int64_t kp = 0; kp < full_pairs; ++kp) {
+    const __m512i w = _mm512_loadu_si512(words + kp * kTileWords);
+    __m512d even_low, even_high, odd_low, odd_high;
+    widen(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), even_low, even_high);
+    widen(_mm512_castsi512_ps(_mm512_and_si512(w, high_mask)), odd_low, odd_high);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512d xe = _mm512_set1_pd(x[r * k_size + 2 * kp]);
+      const __m512d xo = _mm512_set1_pd(x[r * k_size + 2 * kp + 1]);
+      acc[0][r] = _mm512_fmadd_pd(even_low, xe, acc[0][r]);
+      acc[1][r] = _mm512_fmadd_pd(even_high, xe, acc[1][r]);
+      acc[2][r] = _mm512_fmadd_pd(odd_low, xo, acc[2][r]);
+      acc[3][r] = _mm512_fmadd_pd(odd_high, xo, acc[3][r]);
+    }
+  }
+  if (k_size % 2 != 0) {  // the last k of an odd K has no partner in x
+    __m512d even_low, even_high;
+    widen(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_loadu_si512(words + full_pairs * kTileWords), 16)), even_low,
+          even_high);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512d xe = _mm512_set1_pd(x[r * k_size + k_size - 1]);
+      acc[0][r] = _mm512_fmadd_pd(even_low, xe, acc[0][r]);
+      acc[1][r] = _mm512_fmadd_pd(even_high, xe, acc[1][r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    alignas(64) double sums[kPackedCols];
+    _mm512_store_pd(sums, _mm512_add_pd(acc[0][r], acc[2][r]));
+    _mm512_store_pd(sums + 8, _mm512_add_pd(acc[1][r], acc[3][r]));
+    p.store(t, row0 + r, sums);
+  }
+}
+
+#pragma GCC diagnostic pop
+#endif
+
+void run_tiles(const Float64Problem& p, int64_t tile_begin, int64_t tile_end, int64_t row_begin, int64_t row_end) {
+#if PS_X86_MULTIVERSION
+  if (cpu_isa() >= CpuIsa::kAvx512) {  // AMX has no float64 products: its machines run this too
+    for (int64_t t = tile_begin; t < tile_end; ++t) {
+      for_row_blocks<kAvx512BlockRows>(row_begin, row_end,
+                                       [&]<int kRows>(int64_t row0) { block_avx512<kRows>(p, t, row0); });
+    }
+    return;
+  }
+#endif
+  with_cpu_isa([&]() PS_INLINE_BODY {
+    for (int64_t t = tile_begin; t < tile_end; ++t) tile_portable(p, t, row_begin, row_end);
+  });
+}
+
+}  // namespace
+
+void packed_linear_float64_sums(const TensorView& out, const TensorView& x, const TensorView& packed_weight,
+                                const std::optional<TensorView>& bias) {
+  constexpr std::string_view op = "packed_linear_float64_sums";
+  require_tensor_of(op, "x", x, Device::kCPU, 2, DType::kFloat32);
+  require_tensor(op, "out", out, Device::kCPU, 2);
+  PS_REQUIRE(out.dtype == DType::kFloat32 || out.dtype == DType::kFloat64, op,
+             "out must be float32 or float64, got " + out.describe());
+  PS_REQUIRE(!(bias && out.dtype == DType::kFloat64), op,
+             "bias: a float64 out holds the sums alone (add the bias after rounding to float32)");
+  check_packed_linear_operands(op, out, x, packed_weight, bias);
+  const int64_t rows = x.size(0), out_features = out.size(1);
+  const bool wide = out.dtype == DType::kFloat64;
+  const Float64Problem p{x.ptr<float>(),
+                         packed_weight.ptr<uint32_t>(),
+                         bias ? bias->ptr<float>() : nullptr,
+                         wide ? nullptr : out.ptr<float>(),
+                         wide ? out.ptr<double>() : nullptr,
+                         x.size(1),
+                         out_features,
+                         packed_k_pairs(x.size(1))};
+  const int64_t tiles = packed_col_tiles(out_features);
+  for (int64_t row_begin = 0; row_begin < rows; row_begin += kRowChunk) {
+    const int64_t row_end = std::min(rows, row_begin + kRowChunk);
+    // Work units (parallel.h): an 8-lane multiply-add is about one, so is streaming one weight.
+    const int64_t work_per_tile = ((row_end - row_begin) * 4 + kPackedCols) * p.in_features;
+    parallel_for_range(tiles, work_per_tile, [&](int64_t tile_begin, int64_t tile_end) {
+      run_tiles(p, tile_begin, tile_end, row_begin, row_end);
+    });
+  }
+}
+
+}  // namespace pagedserve::ops
