@@ -118,7 +118,7 @@ for stage in "${STAGES[@]}"; do
     cpu_host)  # the CPU paths on the host CPU (Intel, AMX): kernel tests at every ISA level, then CPU serving on 2 cores
       run_stage cpu_kernel_tests python3 -m pytest tests_py/test_cpu_precision.py tests_py/test_int8_linear.py \
         tests_py/test_ops_gguf.py tests_py/test_ops_attention_bf16_kv.py tests_py/test_cpu_weight_packing.py \
-        tests_py/test_batch_invariance.py -q -p no:cacheprovider
+        tests_py/test_batch_invariance.py tests_py/test_float64_sums.py -q -p no:cacheprovider
       gguf=$(python3 -m pagedserve.models.default_model --gguf 2>/dev/null | tail -n 1)
       run_stage cpu_serving taskset -c 0,1 python3 bench/perf/cpu_serving_bench.py --rounds "${CPU_ROUNDS:-1}" \
         ${gguf:+--gguf "$gguf"} --out "$RUN" ;;

@@ -18,15 +18,10 @@ namespace pagedserve::ops {
 namespace {
 
 using testing::HostTensor;
+using testing::packed_bf16_tiles;
 using testing::as_double;
 using testing::random_tensor;
 using testing::throws_invalid;
-
-HostTensor<BFloat16> pack(const HostTensor<float>& weight) {
-  HostTensor<BFloat16> packed({packed_col_tiles(weight.shape[0]), packed_k_pairs(weight.shape[1]), 2 * kPackedCols});
-  pack_linear_weight(packed.view(), weight.view());
-  return packed;
-}
 
 HostTensor<BFloat16> to_bf16(const HostTensor<float>& x) {
   HostTensor<BFloat16> y(x.shape);
@@ -81,7 +76,7 @@ TEST(PackedLinearBf16, MatchesFloat64LoopsOnEveryIsa) {
           bias = random_tensor<float>({out}, rng);
           bias_view = bias->view();
         }
-        const HostTensor<BFloat16> packed = pack(w);
+        const HostTensor<BFloat16> packed = packed_bf16_tiles(w);
         HostTensor<float> y({rows, out});
         packed_linear_bf16(y.view(), x.view(), packed.view(), bias_view);
         EXPECT_TRUE(matches_oracle(y, x, w, bias));
@@ -120,7 +115,7 @@ TEST(PackedLinearBf16, ThreadsAndBatchesAgreeBitForBit) {
   std::mt19937 rng(3);
   const HostTensor<float> x = random_tensor<float>({40, 576}, rng);
   const HostTensor<float> w = random_tensor<float>({1000, 576}, rng, 0.05f);
-  const HostTensor<BFloat16> packed = pack(w);
+  const HostTensor<BFloat16> packed = packed_bf16_tiles(w);
   testing::for_each_cpu_isa([&] {
     HostTensor<float> threaded({40, 1000}), single({40, 1000});
     const int before = num_threads();
@@ -142,7 +137,7 @@ TEST(PackedLinearBf16, ThreadsAndBatchesAgreeBitForBit) {
 TEST(PackedLinearBf16, RejectsBadArguments) {
   std::mt19937 rng(5);
   const HostTensor<float> x = random_tensor<float>({4, 64}, rng);
-  const HostTensor<BFloat16> packed = pack(random_tensor<float>({48, 64}, rng));
+  const HostTensor<BFloat16> packed = packed_bf16_tiles(random_tensor<float>({48, 64}, rng));
   HostTensor<float> y({4, 48});
   const HostTensor<Half> x_half({4, 64});
   EXPECT_TRUE(throws_invalid([&] { packed_linear_bf16(y.view(), x_half.view(), packed.view(), std::nullopt); },

@@ -15,15 +15,10 @@ namespace pagedserve::ops {
 namespace {
 
 using testing::HostTensor;
+using testing::packed_bf16_tiles;
 using testing::as_double;
 using testing::random_tensor;
 using testing::throws_invalid;
-
-HostTensor<BFloat16> pack(const HostTensor<float>& weight) {
-  HostTensor<BFloat16> packed({packed_col_tiles(weight.shape[0]), packed_k_pairs(weight.shape[1]), 2 * kPackedCols});
-  pack_linear_weight(packed.view(), weight.view());
-  return packed;
-}
 
 // Columns [begin, end) of w [N, K], as its own [N, end - begin] matrix.
 HostTensor<float> columns(const HostTensor<float>& w, int64_t begin, int64_t end) {
@@ -44,7 +39,7 @@ TEST(PackedLinearFloat64Sums, EqualsFloat64LoopsOnEveryIsa) {
       const HostTensor<float> x = random_tensor<float>({rows, in}, rng);
       const HostTensor<float> w = random_tensor<float>({out, in}, rng, 0.1f);
       const HostTensor<float> bias = random_tensor<float>({out}, rng);
-      const HostTensor<BFloat16> packed = pack(w);
+      const HostTensor<BFloat16> packed = packed_bf16_tiles(w);
       HostTensor<double> sums({rows, out});
       HostTensor<float> rounded({rows, out});
       packed_linear_float64_sums(sums.view(), x.view(), packed.view(), std::nullopt);
@@ -77,7 +72,9 @@ TEST(PackedLinearFloat64Sums, SplitSumsRoundAsTheWholeSum) {
       (k < split ? x0[m * split + k] : x1[m * (in - split) + k - split]) = x[m * in + k];
     }
   }
-  const HostTensor<BFloat16> whole = pack(w), first = pack(columns(w, 0, split)), second = pack(columns(w, split, in));
+  const HostTensor<BFloat16> whole = packed_bf16_tiles(w);
+  const HostTensor<BFloat16> first = packed_bf16_tiles(columns(w, 0, split));
+  const HostTensor<BFloat16> second = packed_bf16_tiles(columns(w, split, in));
   HostTensor<float> whole32({rows, out}), whole_f32_sums({rows, out}), part0_f32({rows, out}), part1_f32({rows, out});
   HostTensor<double> part0({rows, out}), part1({rows, out});
   packed_linear_float64_sums(whole32.view(), x.view(), whole.view(), std::nullopt);
@@ -99,7 +96,7 @@ TEST(PackedLinearFloat64Sums, RejectsBadArguments) {
   const HostTensor<float> x = random_tensor<float>({4, 64}, rng);
   const HostTensor<float> w = random_tensor<float>({48, 64}, rng);
   const HostTensor<float> bias = random_tensor<float>({48}, rng);
-  const HostTensor<BFloat16> packed = pack(w);
+  const HostTensor<BFloat16> packed = packed_bf16_tiles(w);
   HostTensor<double> sums({4, 48});
   EXPECT_TRUE(throws_invalid([&] { packed_linear_float64_sums(sums.view(), x.view(), packed.view(), bias.view()); },
                              "packed_linear_float64_sums: bias"));

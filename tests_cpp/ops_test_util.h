@@ -15,6 +15,8 @@
 
 #include "ops/cpu_isa.h"
 #include "ops/float_types.h"
+#include "ops/ops.h"
+#include "ops/packed_weight_layout.h"
 #include "ops/tensor_view.h"
 
 namespace pagedserve::testing {
@@ -158,6 +160,13 @@ void for_each_cpu_isa(Body&& body) {
     body();
   }
   ops::set_cpu_isa(before);
+}
+
+// A weight [N, K] in packed_linear's bf16 tiles (ops::pack_linear_weight, packed_weight_layout.h).
+inline HostTensor<BFloat16> packed_bf16_tiles(const HostTensor<float>& weight) {
+  HostTensor<BFloat16> packed({packed_col_tiles(weight.shape[0]), packed_k_pairs(weight.shape[1]), 2 * kPackedCols});
+  ops::pack_linear_weight(packed.view(), weight.view());
+  return packed;
 }
 
 }  // namespace pagedserve::testing

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random HF checkpoints and the converted default model."""
+"""Shared fixtures: tiny random HF checkpoints, the converted default model, the CPU's ISA levels."""
 
 from __future__ import annotations
 
@@ -8,6 +8,16 @@ from pathlib import Path
 import pytest
 
 from hf_helpers import TINY_LLAMA, make_hf_model, save_hf_checkpoint
+from pagedserve import _core, ops
+
+
+@pytest.fixture(params=_core.ops.supported_cpu_isas())
+def cpu_isa(request):
+    """Each CPU instruction-set level this machine runs (ops.cpu_isa's names), set for the test's ops."""
+    before = ops.cpu_isa()
+    _core.ops.set_cpu_isa(request.param)
+    yield request.param
+    _core.ops.set_cpu_isa(before)
 
 
 @pytest.fixture

@@ -11,21 +11,12 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from hf_helpers import TINY_LLAMA, make_hf_model, save_hf_checkpoint
-from pagedserve import LLM, SamplingParams, _core, ops
+from pagedserve import LLM, SamplingParams, ops
 from pagedserve.engine_config import EngineConfig, resolve_defaults
 from pagedserve.models.layers import Linear
 from pagedserve.models.linear_kernels import PackedBf16, PackedBf16Activations
 
-ISAS = _core.ops.supported_cpu_isas()
 HAS_BF16_DOT = ops.cpu_kernels()["bfloat16"] in ("avx512_bf16", "amx_bf16")
-
-
-@pytest.fixture(params=ISAS)
-def cpu_isa(request):
-    before = ops.cpu_isa()
-    _core.ops.set_cpu_isa(request.param)
-    yield request.param
-    _core.ops.set_cpu_isa(before)
 
 
 def _bf16_oracle(x, weight, bias):

@@ -9,21 +9,11 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 
 from hf_helpers import TINY_LLAMA, make_hf_model, save_hf_checkpoint
-from pagedserve import LLM, SamplingParams, _core, ops
+from pagedserve import LLM, SamplingParams, ops
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.models import build_model
 from pagedserve.models.cpu_weight_packing import is_bf16_exact, pack_cpu_weights
 from pagedserve.models.layers import Linear
-
-ISAS = _core.ops.supported_cpu_isas()
-
-
-@pytest.fixture(params=ISAS)
-def cpu_isa(request):
-    before = ops.cpu_isa()
-    _core.ops.set_cpu_isa(request.param)
-    yield request.param
-    _core.ops.set_cpu_isa(before)
 
 
 @pytest.mark.parametrize("rows,out_features,in_features", [(1, 16, 32), (5, 33, 7), (16, 960, 576), (17, 100, 65),

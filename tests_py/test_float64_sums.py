@@ -1,5 +1,5 @@
 """Float64 sums of the row-parallel products and position-free CPU activations (layers.Linear's float64_sums,
-layers.position_free): what makes TP = N give TP = 1's float32 numbers, checked without processes by cutting
+activations.position_free): what makes TP = N give TP = 1's float32 numbers, checked without processes by cutting
 one product's input in two as the ranks do (tests_py/test_tensor_parallel.py runs the ranks).
 
   op          ops.packed_linear_float64_sums on every ISA: float64 out = the float64 product of the bf16
@@ -15,20 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve import _core, ops
-from pagedserve.models.layers import GeluAndMul, Linear, activation
+from pagedserve import ops
+from pagedserve.models.activations import GeluAndMul, activation
+from pagedserve.models.layers import Linear
 from pagedserve.models.linear_kernels import PackedBf16
 
-ISAS = _core.ops.supported_cpu_isas()
 ROWS, OUT, IN, SPLIT = 37, 576, 1536, 768  # SmolLM2's down projection, cut as at TP = 2
-
-
-@pytest.fixture(params=ISAS)
-def cpu_isa(request):
-    before = ops.cpu_isa()
-    _core.ops.set_cpu_isa(request.param)
-    yield request.param
-    _core.ops.set_cpu_isa(before)
 
 
 def bf16_values(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:

@@ -8,20 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve import LLM, SamplingParams, _core, ops
+from pagedserve import LLM, SamplingParams, ops
 from pagedserve.models.int8_linear import Int8Linear
 from pagedserve.models.layers import Linear
 from pagedserve.testing.agreement import first_step_logits
-
-ISAS = _core.ops.supported_cpu_isas()
-
-
-@pytest.fixture(params=ISAS)
-def cpu_isa(request):
-    before = ops.cpu_isa()
-    _core.ops.set_cpu_isa(request.param)
-    yield request.param
-    _core.ops.set_cpu_isa(before)
 
 
 def _unpack(weight: ops.Int8Weight, out_features: int, in_features: int) -> np.ndarray:

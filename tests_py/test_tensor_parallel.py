@@ -39,7 +39,7 @@ from server_process import subprocess_env
 from test_model_families import COMMON, hf_family_model, prompts
 
 # Absolute, float32 logprobs, TP = 2 against TP = 1. The row-parallel products sum in float64 until after the
-# all-reduce (Linear.float64_sums) and the CPU activations round from float64 (layers.position_free), so the
+# all-reduce (Linear.float64_sums) and the CPU activations round from float64 (activations.position_free), so the
 # hidden states agree bit for bit (the default model's logprobs too); what is left (under 1e-6) comes from
 # torch's float32 GEMMs at another thread count (a rank has half the cores). Summed in float32 the default
 # model differed by 2.1e-5, Gemma's GeGLU by 3.8e-5.

@@ -27,7 +27,8 @@ from pagedserve import _core
 from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.models.decoder import Attention, DecoderLayer, DecoderModel
 from pagedserve.models.mlp import MLP
-from pagedserve.models.layers import Embedding, Linear, PagedAttention, RMSNorm, RotaryEmbedding, SiluAndMul
+from pagedserve.models.activations import SiluAndMul
+from pagedserve.models.layers import Embedding, Linear, PagedAttention, RMSNorm, RotaryEmbedding
 from pagedserve.models.gguf_linear import GgufLinear, GgufRows
 from pagedserve.models.linear_kernels import PackedBf16, PackedBf16Activations, PackedBf16Rows
 

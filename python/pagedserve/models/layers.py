@@ -4,13 +4,13 @@ Dense math is torch (``F.linear``); everything with a custom memory layout or
 a fusion opportunity goes through ``pagedserve.ops`` (CPU reference ops, or the
 CUDA kernels for CUDA tensors). Parameters are allocated uninitialised on the
 target device in the target dtype; ``pagedserve.models.weights`` fills them. Nothing
-here branches on tensor values, so a forward can be captured in a CUDA graph.
+here branches on tensor values, so a forward can be captured in a CUDA graph. The MLP
+activations are in activations.py.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -232,63 +232,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """Rotates query [T, Hq, D] and key [T, Hkv, D] in place; positions [T] int32 (table rows)."""
         ops.rotary_embedding(positions, query, key, self.cos_sin_cache)
-
-
-class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
-        ops.silu_and_mul(out, x)
-        return out
-
-
-def position_free(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """fn, evaluated in float64 and rounded once for float32 CPU tensors. torch's CPU elementwise kernels run
-    the last elements of each thread's range (under two vectors) through scalar libm and the rest through SLEEF
-    vectors, which differ in the last ulp, so an element's float32 result depends on where it sits in the
-    tensor, and tensor parallelism moves it (a rank holds part of each row: Gemma's GeGLU differed by 2e-5 in
-    the logprobs, TP = 2 against 1). Both paths round a float64 result to the same float32, but for ties."""
-    def run(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.device.type == "cpu":
-            return fn(x.double()).to(torch.float32)
-        return fn(x)
-    return run
-
-
-class GeluAndMul(nn.Module):
-    """GeGLU: gelu(x[:, :I]) * x[:, I:]; ``approximate`` "tanh" for gelu_pytorch_tanh (Gemma)."""
-
-    def __init__(self, approximate: str = "tanh"):
-        super().__init__()
-        self.gelu = position_free(lambda x: F.gelu(x, approximate=approximate))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[1] // 2
-        return self.gelu(x[:, :half]) * x[:, half:]
-
-
-def activation(name: str):
-    """The plain (ungated) activation for a HF hidden_act name, as transformers computes it (position_free)."""
-    if name == "gelu_new":  # transformers' NewGELUActivation, formula for formula
-        return position_free(
-            lambda x: 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))))
-    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
-        return position_free(lambda x: F.gelu(x, approximate="tanh"))
-    if name == "gelu":
-        return position_free(F.gelu)
-    if name == "silu":
-        return position_free(F.silu)
-    raise ValueError(f"hidden_act {name!r} is not supported")
-
-
-def activation_and_mul(name: str) -> nn.Module:
-    """The gated MLP activation for a HF hidden_act name."""
-    if name == "silu":
-        return SiluAndMul()
-    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
-        return GeluAndMul("tanh")
-    if name == "gelu":
-        return GeluAndMul("none")
-    raise ValueError(f"hidden_act {name!r} is not supported")
 
 
 def _attention_features() -> frozenset[str]:

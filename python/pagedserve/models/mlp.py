@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pagedserve.distributed.context import SINGLE, ParallelContext
-from pagedserve.models.layers import activation, activation_and_mul
+from pagedserve.models.activations import activation, activation_and_mul
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.models.parallel_layers import column_linear, row_linear
 

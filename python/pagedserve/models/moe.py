@@ -36,7 +36,8 @@ from torch import nn
 
 from pagedserve import ops
 from pagedserve.distributed.context import SINGLE, ParallelContext
-from pagedserve.models.layers import Linear, SiluAndMul
+from pagedserve.models.activations import SiluAndMul
+from pagedserve.models.layers import Linear
 from pagedserve.models.moe_config import MIXTRAL_EXPERT_NAMES, QWEN_EXPERT_NAMES, MoeConfig
 from pagedserve.models.parallel_layers import Part, column_linear, row_linear
 from pagedserve.models.weights import require_shape
