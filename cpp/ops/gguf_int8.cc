@@ -43,7 +43,13 @@ namespace pagedserve::ops::gguf {
 namespace {
 
 constexpr int kBlock = 32;         // elements per block of x and of every format here
-constexpr int kTileRows = 4;       // weight rows per register block
+// Weight rows per register block: 4 share each block of x they multiply, except when x has a single row
+// (a decode step of one sequence). Then one: the tile walks the weight as one stream, where 4 rows side
+// by side are 4 interleaved streams the hardware prefetcher follows poorly (Zen 4, weights streamed from
+// DRAM, M = 1: the Q8_0 LM head 49152 x 576 at 22-25 GB/s with 4 rows, 29-35 with one; Q4_1 products
+// 10-20 % faster). A (row, output) pair's arithmetic is the same at either size.
+constexpr int kTileRows = 4;
+constexpr int kSingleRowTile = 1;
 constexpr int kXRows = 4;          // rows of x per register block
 constexpr int64_t kRowChunk = 64;  // rows of x per pass over a thread's tiles (64 x 1536 B = 96 KiB in L2)
 
@@ -249,26 +255,29 @@ PS_VNNI_INLINE float sum_lanes(__m256 v) {  // ((0+4) + (2+6)) + ((1+5) + (3+7))
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
+template <int kRowsPerTile>
 struct Tile {
-  const uint8_t* rows[kTileRows];
+  const uint8_t* rows[kRowsPerTile];
   int64_t first;  // output feature of rows[0]
   int64_t valid;  // rows that are real (the rest repeat the last one and are not stored)
 };
 
 // Rows [m0, m0 + kM) of x against one tile of weight rows. Every (row, output) pair runs the
 // same instructions whatever kM is, so a row's result does not depend on its neighbours.
-template <BlockType kType, int kM>
-PS_VNNI void dot_tile(const LinearArgs& a, const QuantizedX& qx, const Tile& t, int64_t m0) {
+template <BlockType kType, int kM, int kRowsPerTile>
+PS_VNNI void dot_tile(const LinearArgs& a, const QuantizedX& qx, const Tile<kRowsPerTile>& t, int64_t m0) {
   const int64_t blocks = a.in_features / kBlock;
-  __m256 acc[kM][kTileRows];
+  __m256 acc[kM][kRowsPerTile];
   for (int m = 0; m < kM; ++m) {
-    for (int r = 0; r < kTileRows; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int r = 0; r < kRowsPerTile; ++r) acc[m][r] = _mm256_setzero_ps();
   }
   constexpr int kSub = kSubBlocks<kType>;
-  for (int64_t s = 0; s < blocks / kSub; ++s) {
-    SuperBlock sb[kTileRows];
+  const int64_t format_blocks = blocks / kSub;
+  const int64_t block_bytes = a.row_bytes / format_blocks;  // the prefetch address: no division per block
+  for (int64_t s = 0; s < format_blocks; ++s) {
+    SuperBlock sb[kRowsPerTile];
 #pragma GCC unroll 4
-    for (int r = 0; r < kTileRows; ++r) sb[r] = load_super<kType>(t.rows[r], s);
+    for (int r = 0; r < kRowsPerTile; ++r) sb[r] = load_super<kType>(t.rows[r], s);
     // The next tile's block s (its rows follow this tile's), per row: a K-quant's 144 to 210 bytes are 4
     // lines from its start; the 18- to 34-byte blocks, one line every other block. Without it a Q5_K LM head
     // streaming from DRAM ran at ~3.4 GB/s instead of ~6 (49152 x 768, one thread, busy Zen 4), and the
@@ -276,8 +285,8 @@ PS_VNNI void dot_tile(const LinearArgs& a, const QuantizedX& qx, const Tile& t, 
     // the weight only as a prefetch, which never faults.
     constexpr int kLines = is_k_quant(kType) ? 4 : 1;
     if (is_k_quant(kType) || s % 2 == 0) {
-      const uint8_t* next = t.rows[0] + kTileRows * a.row_bytes + (a.row_bytes / (blocks / kSub)) * s;
-      for (int r = 0; r < kTileRows; ++r) {
+      const uint8_t* next = t.rows[0] + kRowsPerTile * a.row_bytes + block_bytes * s;
+      for (int r = 0; r < kRowsPerTile; ++r) {
         const char* block = reinterpret_cast<const char*>(next + r * a.row_bytes);
         for (int line = 0; line < kLines; ++line) _mm_prefetch(block + 64 * line, _MM_HINT_T0);
       }
@@ -285,15 +294,15 @@ PS_VNNI void dot_tile(const LinearArgs& a, const QuantizedX& qx, const Tile& t, 
 #pragma GCC unroll 8
     for (int j = 0; j < kSub; ++j) {
       const int64_t b = kSub * s + j;
-      WeightBlock w[kTileRows];
+      WeightBlock w[kRowsPerTile];
 #pragma GCC unroll 4
-      for (int r = 0; r < kTileRows; ++r) w[r] = load_weight<kType>(sb[r], j);
+      for (int r = 0; r < kRowsPerTile; ++r) w[r] = load_weight<kType>(sb[r], j);
 #pragma GCC unroll 4
       for (int m = 0; m < kM; ++m) {
         const int64_t row = m0 + m;
         const XBlock x = load_x<kType>(qx.q.data() + row * a.in_features + kBlock * b, qx.d[row * blocks + b]);
 #pragma GCC unroll 4
-        for (int r = 0; r < kTileRows; ++r) acc[m][r] = accumulate<kType>(w[r], x, acc[m][r]);
+        for (int r = 0; r < kRowsPerTile; ++r) acc[m][r] = accumulate<kType>(w[r], x, acc[m][r]);
       }
     }
   }
@@ -305,26 +314,26 @@ PS_VNNI void dot_tile(const LinearArgs& a, const QuantizedX& qx, const Tile& t, 
   }
 }
 
-template <BlockType kType, int kM = kXRows>
-PS_VNNI void dot_rows(int rows, const LinearArgs& a, const QuantizedX& qx, const Tile& t, int64_t m0) {
+template <BlockType kType, int kRowsPerTile, int kM = kXRows>
+PS_VNNI void dot_rows(int rows, const LinearArgs& a, const QuantizedX& qx, const Tile<kRowsPerTile>& t, int64_t m0) {
   if constexpr (kM >= 1) {
     if (rows == kM) return dot_tile<kType, kM>(a, qx, t, m0);
-    return dot_rows<kType, kM - 1>(rows, a, qx, t, m0);
+    return dot_rows<kType, kRowsPerTile, kM - 1>(rows, a, qx, t, m0);
   }
 }
 
-template <BlockType kType>
-void run(const LinearArgs& a) {
-  const QuantizedX qx = quantize_x(a);
-  const int64_t tiles = (a.out_features + kTileRows - 1) / kTileRows;
+template <BlockType kType, int kRowsPerTile>
+void run_tiles(const LinearArgs& a, const QuantizedX& qx) {
+  const int64_t tiles = (a.out_features + kRowsPerTile - 1) / kRowsPerTile;
   // Work units (parallel.h): about one per weight byte-pair decoded and per 4-byte vpdpbusd lane.
-  const int64_t work_per_tile = kTileRows * a.in_features * (1 + a.rows / 4);
+  const int64_t work_per_tile = kRowsPerTile * a.in_features * (1 + a.rows / 4);
   parallel_for_range(tiles, work_per_tile, [&](int64_t tile_begin, int64_t tile_end) {
     for (int64_t row_begin = 0; row_begin < a.rows; row_begin += kRowChunk) {
       const int64_t row_end = std::min(a.rows, row_begin + kRowChunk);
       for (int64_t t = tile_begin; t < tile_end; ++t) {
-        Tile tile{{}, t * kTileRows, std::min<int64_t>(kTileRows, a.out_features - t * kTileRows)};
-        for (int r = 0; r < kTileRows; ++r) {
+        const int64_t first = t * kRowsPerTile;
+        Tile<kRowsPerTile> tile{{}, first, std::min<int64_t>(kRowsPerTile, a.out_features - first)};
+        for (int r = 0; r < kRowsPerTile; ++r) {
           tile.rows[r] = a.blocks + (tile.first + std::min<int64_t>(r, tile.valid - 1)) * a.row_bytes;
         }
         for (int64_t m0 = row_begin; m0 < row_end; m0 += kXRows) {
@@ -333,6 +342,13 @@ void run(const LinearArgs& a) {
       }
     }
   });
+}
+
+template <BlockType kType>
+void run(const LinearArgs& a) {
+  const QuantizedX qx = quantize_x(a);
+  if (a.rows == 1) return run_tiles<kType, kSingleRowTile>(a, qx);
+  run_tiles<kType, kTileRows>(a, qx);
 }
 
 }  // namespace
