@@ -2,7 +2,7 @@
 // float64: the products that tensor parallelism splits over their input
 // (attention output, down projection) when a model runs in float32, so that
 // TP = N adds up to the same float32 numbers as TP = 1
-// (python/pagedserve/models/float64_sums.py).
+// (python/pagedserve/models/layers.py: Linear.float64_sums).
 //
 // Why float64 sums make the rank count irrelevant: a bf16 weight has 8
 // significant bits and a float32 activation 24, so every product is exact in
