@@ -43,7 +43,7 @@ enum class LinearFormat : uint8_t {
   kPackedBf16Activations,  // packed_linear_bf16: the same tiles, bf16-rounded activations (PackedBf16Activations)
   kGguf,  // gguf_linear: a GGUF file's blocks of one ggml type, float32 activations (GgufLinear)
   kPackedBf16Float64Sums,  // packed_linear_float64_sums: bf16 tiles, float32 activations, float64 sums
-                           // (PackedBf16 on a product tensor parallelism splits over its input: float64_sums.py)
+                           // (PackedBf16 on a product tensor parallelism splits over its input: Linear.float64_sums)
 };
 
 // One Linear: y = x W^T (+ bias), W [out_features, in_features] in `format`.
