@@ -6,7 +6,9 @@ At TP = 2 the driver's time inside each kind of collective is summed over the sa
 all-reduces of the row-parallel layers and the embedding, the logits gather to the driver, and the
 step broadcast. A collective's time includes waiting for the slower rank, so "all-reduce share" is
 an upper bound on the wire's cost. Each rank gets half the cores (on 2 cores: one each), so no
-speed-up is expected there; the point is the overhead.
+speed-up is expected there; the point is the overhead. Beside it, a bare gloo all-reduce between two
+fresh processes: the floor each of the step's all-reduces sits on (on this 2-core VM 1.56 ms, where a TCP
+loopback round trip takes 58 us: gloo's wake-ups, not the wire).
 
     python bench/perf/tp_bench.py                   # default model (SmolLM2-135M), batches 1 8 32, 40 steps
     python bench/perf/tp_bench.py --shape tinyllama-1.1b   # dummy weights of a bigger shape
@@ -87,6 +89,41 @@ def measure(model_dir: Path, load_format: str, tp: int, batch: int, steps: int, 
     return row
 
 
+def _bare_all_reduce(rank: int, port: int, width: int, iterations: int, result) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    import torch
+    torch.set_num_threads(1)
+    x = torch.zeros(1, width)
+    for _ in range(20):
+        dist.all_reduce(x)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        dist.all_reduce(x)
+    if rank == 0:
+        result.value = (time.perf_counter() - start) / iterations
+    dist.destroy_process_group()
+
+
+def bare_all_reduce_us(width: int, iterations: int) -> float:
+    """One gloo all-reduce of [1, width] float32 between two fresh local processes, nothing else running:
+    the floor under each of a step's all-reduces on this machine."""
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    result = context.Value("d", 0.0)
+    processes = [context.Process(target=_bare_all_reduce, args=(rank, port, width, iterations, result))
+                 for rank in (0, 1)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join()
+    return result.value * 1e6
+
+
 def main() -> None:
     ap = arg_parser(__doc__, "batches 1 and 8, 8 steps: checks the script works")
     ap.add_argument("--shape", default="default", help="'default' (SmolLM2-135M) or a dummy shape "
@@ -109,11 +146,15 @@ def main() -> None:
     columns = ["model", "tp", "batch", "ms_per_step", "vs_tp1", "all_reduce_ms_per_step", "all_reduce_calls_per_step",
                "gather_ms_per_step", "broadcast_ms_per_step", "all_reduce_share", "collective_share"]
     table = markdown_table(rows, columns)
-    print(table)
-    save(f"tp_cpu_{args.shape}" + ("_quick" if args.quick else ""), {"steps": steps, "rows": rows},
+    bare_us = bare_all_reduce_us(576, 50 if args.quick else 500)
+    bare = (f"A bare gloo all-reduce of 576 float32 between two local processes with nothing else running: "
+            f"{bare_us:.0f} us (the floor under each of the step's all-reduces here).")
+    print(table + "\n" + bare)
+    save(f"tp_cpu_{args.shape}" + ("_quick" if args.quick else ""),
+         {"steps": steps, "rows": rows, "bare_all_reduce_us": bare_us},
          "## Tensor parallelism on the CPU: decode step time, TP = 1 vs TP = 2 (gloo)\n\n"
          "Collective times are the driver's wall time inside them, waiting for the other rank included.\n\n"
-         + table, args.out)
+         + table + "\n\n" + bare, args.out)
 
 
 if __name__ == "__main__":
