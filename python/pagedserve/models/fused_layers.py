@@ -24,10 +24,10 @@ import torch
 from torch.utils.dlpack import to_dlpack as _dl
 
 from pagedserve import _core
+from pagedserve.models.activations import SiluAndMul
 from pagedserve.models.attention_metadata import AttentionMetadata
 from pagedserve.models.decoder import Attention, DecoderLayer, DecoderModel
 from pagedserve.models.mlp import MLP
-from pagedserve.models.activations import SiluAndMul
 from pagedserve.models.layers import Embedding, Linear, PagedAttention, RMSNorm, RotaryEmbedding
 from pagedserve.models.gguf_linear import GgufLinear, GgufRows
 from pagedserve.models.linear_kernels import PackedBf16, PackedBf16Activations, PackedBf16Rows
