@@ -15,8 +15,8 @@ namespace pagedserve::ops {
 namespace {
 
 using testing::HostTensor;
-using testing::packed_bf16_tiles;
 using testing::as_double;
+using testing::packed_bf16_tiles;
 using testing::random_tensor;
 using testing::throws_invalid;
 
