@@ -66,10 +66,14 @@ class Linear(nn.Module):
         if sums is not None:
             out = sums.to(x.dtype)
             return out if self.bias is None else out.add_(self.bias)
+        return self.product(x, self.bias)
+
+    def product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x W^T + bias as the weight's format computes it (its kernel, the small-batch kernel, or torch)."""
         if self.kernel is not None:
-            return self.kernel(x, self.bias)
-        out = small_batch_product(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias) if out is None else out
+            return self.kernel(x, bias)
+        out = small_batch_product(x, self.weight, bias)
+        return F.linear(x, self.weight, bias) if out is None else out
 
     def sums_in_float64(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """x W^T as float64 sums without the bias where float64_sums applies (see the class), else None."""

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from pagedserve.distributed.context import SINGLE, ParallelContext, balanced_split
 from pagedserve.models.layers import Embedding, Linear, RMSNorm
-from pagedserve.models.small_batch import small_batch_product
 
 
 @dataclass(frozen=True)
@@ -104,18 +103,12 @@ class RowParallelLinear(Linear):
         if sums is not None:  # all-reduced as float64 partial sums, rounded once (Linear's float64_sums)
             out = self.parallel.all_reduce(sums).to(x.dtype)
         else:
-            out = self._product(x)
+            out = self.product(x, None)
             if self.reduce:
                 self.parallel.all_reduce(out)
         if self.bias is not None and (self.reduce or self.parallel.is_driver):  # once over the ranks
             out += self.bias
         return out
-
-    def _product(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x, None)
-        out = small_batch_product(x, self.weight, None)
-        return F.linear(x, self.weight) if out is None else out
 
 
 class VocabParallelEmbedding(Embedding):
