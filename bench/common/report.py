@@ -39,6 +39,20 @@ def arg_parser(doc: str, quick: str) -> argparse.ArgumentParser:
     return ap
 
 
+def add_engine_options(ap: argparse.ArgumentParser) -> None:
+    """--option key=value (repeatable): engine options (EngineConfig fields) for the variant measured."""
+    ap.add_argument("--option", action="append", default=[], help="engine option key=value (repeatable)")
+
+
+def engine_options(pairs: list[str]) -> dict:
+    """The --option pairs as LLM keyword arguments: true/false as booleans, digits as ints."""
+    options = {}
+    for pair in pairs:
+        key, value = pair.split("=", 1)
+        options[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    return options
+
+
 def require_cuda(script: str, build: bool = True) -> None:
     """Ends a GPU-only script with one line where torch sees no CUDA device (or, with build, where
     pagedserve lacks its CUDA build)."""

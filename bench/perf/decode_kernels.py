@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model_shapes import shape_dir  # noqa: E402
-from common.report import arg_parser, markdown_table, require_cuda, save  # noqa: E402
+from common.report import add_engine_options, arg_parser, engine_options, markdown_table, require_cuda, save  # noqa: E402
 from perf.step_timing import measure  # noqa: E402
 
 
@@ -119,15 +119,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--label", default="", help="a tag for this build's variant (e.g. 'unfused')")
-    ap.add_argument("--option", action="append", default=[], help="engine option key=value (repeatable)")
+    add_engine_options(ap)
     args = ap.parse_args()
     if args.quick:
         args.shape, args.batch, args.steps = "default", [1], 3
     require_cuda(__file__)
-    options = {}
-    for kv in args.option:
-        key, value = kv.split("=", 1)
-        options[key] = {"true": True, "false": False}.get(value.lower(), int(value) if value.isdigit() else value)
+    options = engine_options(args.option)
     shape = None if args.shape == "default" else args.shape
     bandwidth = copy_bandwidth_gbs()
     summary, details = [], {}

@@ -241,7 +241,7 @@ def small_op_pairs(tokens):
 
 def small_op_cases(args):
     rows = []
-    for tokens in (1, 32, 2048):
+    for tokens in (1, 32, 64, 2048):
         for name, (ours, theirs) in small_op_pairs(tokens).items():
             ours_us = 1e3 * time_per_call_ms([ours], rounds=50, repeat=args.repeat)
             torch_us = 1e3 * time_per_call_ms([theirs], rounds=50, repeat=args.repeat)

@@ -5,7 +5,9 @@ which loads the tokenizer's grammar vocabulary, then a new schema, then cached).
 
 The schema (an array of at least 200 strings) cannot be finished within max_tokens, so every
 constrained request runs to max_tokens as the unconstrained ones (ignore_eos) do: both generate the
-same number of tokens. A second JSON case bounds each string's length (maxLength 24): a counted
+same number of tokens. A compact case (disable_any_whitespace) shows what the free whitespace costs:
+the engine bounds a whitespace run (MAX_WHITESPACE_RUN), a counted repetition that makes xgrammar's
+masks about 4x as costly to fill. A further JSON case bounds each string's length (maxLength 24): a counted
 repetition that xgrammar cannot serve from its context-independent token cache, the slow case of
 its masks (about 15x the host time per token of the first on a Zen 4 core). A third case is what tool_choice "auto" adds to a chat request with the shipped
 tools template: a structural tag over free text (calls after <tool_call> must be valid). The masks are
@@ -62,6 +64,25 @@ def main() -> None:
         steps[0] += 1
         return step()
     engine.step = counted_step
+    phases = {"launch": 0.0, "wait": 0.0}  # host seconds in execute_async (forward queued, masks filled) / result()
+    execute_async = engine.worker.execute_async
+
+    def timed_execute_async(*a, **k):
+        start = time.perf_counter()
+        pending = execute_async(*a, **k)
+        phases["launch"] += time.perf_counter() - start
+        if pending is not None:
+            result = pending.result
+
+            def timed_result():
+                begin = time.perf_counter()
+                try:
+                    return result()
+                finally:
+                    phases["wait"] += time.perf_counter() - begin
+            pending.result = timed_result
+        return pending
+    engine.worker.execute_async = timed_execute_async
 
     compile_s = {}
     for label, schema in (("first use", LONG_SCHEMA), ("typical schema", TYPICAL_SCHEMA),
@@ -74,6 +95,9 @@ def main() -> None:
         "unconstrained": SamplingParams(temperature=0.7, max_tokens=args.max_tokens, ignore_eos=True),
         "json schema": SamplingParams(temperature=0.7, max_tokens=args.max_tokens,
                                       structured_outputs=StructuredOutputsParams(json=LONG_SCHEMA)),
+        "json schema, compact (no free whitespace)": SamplingParams(
+            temperature=0.7, max_tokens=args.max_tokens,
+            structured_outputs=StructuredOutputsParams(json=LONG_SCHEMA, disable_any_whitespace=True)),
         "json schema, strings maxLength 24": SamplingParams(
             temperature=0.7, max_tokens=args.max_tokens, structured_outputs=StructuredOutputsParams(json=BOUNDED_SCHEMA)),
         "tools auto (structural tag)": SamplingParams(temperature=0.7, max_tokens=args.max_tokens, ignore_eos=True,
@@ -84,6 +108,7 @@ def main() -> None:
     for _ in range(args.runs):
         for name, params in cases.items():
             steps[0], mask0 = 0, engine.grammars.mask_seconds
+            phases.update(launch=0.0, wait=0.0)
             start = time.perf_counter()
             outs = llm.generate([PROMPT] * args.num_requests, params, use_tqdm=False)
             wall = time.perf_counter() - start
@@ -92,27 +117,74 @@ def main() -> None:
             row = {"case": name, "requests": args.num_requests, "output_tokens": tokens, "wall_s": wall,
                    "tokens_per_s": tokens / wall, "steps": steps[0],
                    "mask_ms_per_step": 1000 * mask / max(steps[0], 1),
+                   "launch_ms_per_step": 1000 * (phases["launch"] - mask) / max(steps[0], 1),
+                   "wait_ms_per_step": 1000 * phases["wait"] / max(steps[0], 1),
+                   "other_host_ms_per_step": 1000 * (wall - phases["launch"] - phases["wait"]) / max(steps[0], 1),
                    "finish": ",".join(sorted({o.outputs[0].finish_reason for o in outs}))}
             if name not in best or row["tokens_per_s"] > best[name]["tokens_per_s"]:
                 best[name] = row
     rows = list(best.values())
     ratio = best["json schema"]["tokens_per_s"] / best["unconstrained"]["tokens_per_s"]
     table = markdown_table(rows, ["case", "requests", "output_tokens", "wall_s", "tokens_per_s", "steps",
-                                 "mask_ms_per_step", "finish"])
+                                 "mask_ms_per_step", "launch_ms_per_step", "wait_ms_per_step",
+                                 "other_host_ms_per_step", "finish"])
+    fills = fill_scaling(engine, args.num_requests)
     compile_table = markdown_table([{"compile": k, "ms": 1000 * v} for k, v in compile_s.items()],
                                    ["compile", "ms"])
     tag_ratio = best["tools auto (structural tag)"]["tokens_per_s"] / best["unconstrained"]["tokens_per_s"]
     bounded_ratio = best["json schema, strings maxLength 24"]["tokens_per_s"] / best["unconstrained"]["tokens_per_s"]
+    compact_ratio = (best["json schema, compact (no free whitespace)"]["tokens_per_s"]
+                     / best["unconstrained"]["tokens_per_s"])
     overlap = "while the device runs the forward" if args.device != "cpu" else "on the calling thread, no overlap"
-    md = (f"{table}\n\nJSON schema throughput: {100 * ratio:.1f}% of unconstrained ({100 * bounded_ratio:.1f}% "
-          f"with bounded string lengths); tools auto (structural tag): {100 * tag_ratio:.1f}%. Masks are filled on the host once the forward is queued "
-          f"({overlap}).\n\n{compile_table}")
+    md = (f"{table}\n\nJSON schema throughput: {100 * ratio:.1f}% of unconstrained ({100 * compact_ratio:.1f}% "
+          f"compact, {100 * bounded_ratio:.1f}% with bounded string lengths); tools auto (structural tag): {100 * tag_ratio:.1f}%. Masks are filled on the host once the forward is queued "
+          f"({overlap}). Per step: launch = host time queuing the forward and sampling, less the masks; wait = "
+          f"host time waiting for the sampled ids; other = the rest of the step on the host (scheduling, "
+          f"recording tokens, advancing matchers).\n\n{compile_table}\n\n"
+          f"xgrammar's batch fill of {args.num_requests} masks mid-string (host):\n\n"
+          f"{markdown_table(fills, ['threads', 'ms'])}")
     print(md)
     name = f"structured_{args.device}" + ("_quick" if args.quick else "")
-    path = save(name, {"rows": rows, "ratio": ratio, "tools_auto_ratio": tag_ratio, "bounded_strings_ratio": bounded_ratio, "compile_s": compile_s,
+    path = save(name, {"rows": rows, "ratio": ratio, "fill_scaling": fills, "tools_auto_ratio": tag_ratio, "bounded_strings_ratio": bounded_ratio,
+                       "compact_ratio": compact_ratio, "compile_s": compile_s,
                        "max_tokens": args.max_tokens},
                 md, args.out)
     print(f"wrote {path}")
+
+
+def fill_scaling(engine, count: int) -> list[dict]:
+    """ms for xgrammar to fill `count` masks in one batch call, by thread count, every matcher inside a
+    string of the long schema: how far the host's cores speed up the per-step mask."""
+    import os
+
+    import torch
+    import xgrammar as xgr
+
+    from pagedserve import StructuredOutputsParams
+
+    grammars = engine.grammars
+    compiled = grammars.compile(StructuredOutputsParams(json=LONG_SCHEMA))
+    from transformers import AutoTokenizer
+
+    from pagedserve.models.default_model import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()), local_files_only=True)
+    matchers = [compiled.new_matcher() for _ in range(count)]
+    for matcher in matchers:
+        for token in tokenizer.encode('[\n  "apple",\n  "banana is yellow'):
+            matcher.accept_token(token)
+    bitmask = torch.zeros((count, (grammars.vocab_size + 31) // 32), dtype=torch.int32)
+    rows = []
+    for threads in sorted({1, 2, 4, 8, 16, os.cpu_count() or 1}):
+        if threads > (os.cpu_count() or 1):
+            continue
+        filler = xgr.BatchGrammarMatcher(max_threads=threads)
+        filler.batch_fill_next_token_bitmask(matchers, bitmask, list(range(count)))
+        start = time.perf_counter()
+        for _ in range(20):
+            filler.batch_fill_next_token_bitmask(matchers, bitmask, list(range(count)))
+        rows.append({"threads": threads, "ms": 1000 * (time.perf_counter() - start) / 20})
+    return rows
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model_shapes import shape_dir  # noqa: E402
 from common.plots import draw_throughput, pyplot  # noqa: E402
-from common.report import markdown_table, save  # noqa: E402
+from common.report import add_engine_options, engine_options, markdown_table, save  # noqa: E402
 
 GPU_CONCURRENCY = [1, 4, 16, 32, 64, 128, 256]
 CPU_CONCURRENCY = [1, 4, 16]
@@ -62,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (one GPU each) for pagedserve")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="pagedserve's share of the card")
+    add_engine_options(ap)
     ap.add_argument("--name", default=None, help="results file name (default derived from device and model)")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks that the script works")
@@ -120,7 +121,8 @@ def make_llm(args, model_dir: Path, load_format: str, dtype: str, max_seqs: int)
     from pagedserve import LLM, SamplingParams
     llm = LLM(str(model_dir), dtype=dtype, device=args.device, load_format=load_format, max_num_seqs=max_seqs,
               max_model_len=args.prompt_len + args.output_len + 16,
-              gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
+              gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
+              **engine_options(args.option))
     vocab = llm.llm_engine.model_config.vocab_size
     llm.generate([{"prompt_token_ids": p} for p in prompts_for(2, args.prompt_len, vocab, seed=99)],
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up

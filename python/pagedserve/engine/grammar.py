@@ -39,6 +39,11 @@ logger = logging.getLogger("pagedserve")
 
 _CACHE_SIZE = 256
 
+# Threads filling a step's masks: 64 masks took 1.2-1.8 / 0.9-1.1 / 0.51-0.60 / 0.50-0.53 / 0.62-0.69 ms on
+# 1 / 2 / 4 / 8 / 16 threads of an H200 host's 16 cores (structured_bench.py's fill scaling, two runs): past
+# 8, the pool's overhead outgrows the work.
+_FILL_THREADS = 8
+
 _SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 _NAMES = {"json": "json schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
@@ -168,9 +173,9 @@ class Grammars:
             else:
                 matcher.fill_next_token_bitmask(self._bitmask, row)
             rows.append(row)
-        if batch:  # xgrammar's matchers in one call, on its own threads (one per core)
+        if batch:  # xgrammar's matchers in one call, on its own threads
             if self._batch_filler is None:
-                self._batch_filler = xgr.BatchGrammarMatcher(max_threads=os.cpu_count() or 1)
+                self._batch_filler = xgr.BatchGrammarMatcher(max_threads=min(os.cpu_count() or 1, _FILL_THREADS))
             self._batch_filler.batch_fill_next_token_bitmask(batch, self._bitmask, batch_rows)
         self.mask_seconds += time.perf_counter() - start
         return GrammarMask(self._bitmask, rows) if rows else None

@@ -23,7 +23,12 @@ def apply_mask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
 
     out = logits.to(torch.float32, copy=True)
     bitmask = mask.bitmask[:out.shape[0]]
+    rows = mask.rows
     if out.device.type != "cpu":
         bitmask = bitmask.to(out.device, non_blocking=True)
-    xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=out.shape[1], indices=mask.rows)
+        # xgrammar copies a list of rows from pageable memory, which may wait for the device (the step's
+        # forward) on the host; every row constrained needs no list, the others travel pinned.
+        rows = None if rows == list(range(out.shape[0])) else torch.tensor(rows, dtype=torch.int32).pin_memory().to(
+            out.device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=out.shape[1], indices=rows)
     return out
