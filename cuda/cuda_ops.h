@@ -118,7 +118,7 @@ void small_batch_linear(const TensorView& out, const TensorView& x, const Tensor
                         bool gated, cudaStream_t stream);
 
 // Gumbel-max sampling, one token per row; see cpp/ops/ops.h.
-void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature, uint64_t seed,
-                   cudaStream_t stream);
+void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
+                   const TensorView& allowed, uint64_t seed, cudaStream_t stream);
 
 }  // namespace pagedserve::cuda

@@ -41,20 +41,29 @@ __device__ __forceinline__ Best warp_best(Best b) {
   return b;
 }
 
+// Token v's logit, or -inf where the row's bitmask (null: none) clears its bit.
+template <typename T>
+__device__ __forceinline__ float masked_logit(const T* x, const int32_t* allowed, int v) {
+  if (allowed != nullptr && ((static_cast<uint32_t>(allowed[v >> 5]) >> (v & 31)) & 1u) == 0) return -INFINITY;
+  return to_float(x[v]);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    sample_tokens_kernel(int32_t* out, const T* logits, const float* inv_temperature, int vocab, uint64_t seed) {
+    sample_tokens_kernel(int32_t* out, const T* logits, const float* inv_temperature, const int32_t* allowed,
+                         int vocab, uint64_t seed) {
   const int row = blockIdx.x;
   const T* x = logits + static_cast<int64_t>(row) * vocab;
+  const int32_t* mask = allowed == nullptr ? nullptr : allowed + static_cast<int64_t>(row) * ((vocab + 31) / 32);
   const float inv_t = inv_temperature[row];
   const uint64_t key = ops::gumbel_row_key(seed, row);
   Best best{-FLT_MAX, vocab};
   if (inv_t <= 0.f) {  // greedy
-    for (int v = threadIdx.x; v < vocab; v += kThreads) best = better(best, Best{to_float(x[v]), v});
+    for (int v = threadIdx.x; v < vocab; v += kThreads) best = better(best, Best{masked_logit(x, mask, v), v});
   } else {
     for (int v = threadIdx.x; v < vocab; v += kThreads) {
       const float gumbel = -logf(-logf(ops::uniform_open(key, v)));
-      best = better(best, Best{__fmaf_rn(to_float(x[v]), inv_t, gumbel), v});
+      best = better(best, Best{__fmaf_rn(masked_logit(x, mask, v), inv_t, gumbel), v});
     }
   }
   best = warp_best(best);
@@ -71,17 +80,18 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature, uint64_t seed,
-                   cudaStream_t stream) {
+void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
+                   const TensorView& allowed, uint64_t seed, cudaStream_t stream) {
   constexpr const char* kOp = "sample_tokens";
-  ops::check_sample_tokens(ops::Device::kCUDA, out, logits, inv_temperature);
+  ops::check_sample_tokens(ops::Device::kCUDA, out, logits, inv_temperature, allowed);
   const int rows = checked_int(kOp, "rows", logits.size(0));
   const int vocab = checked_int(kOp, "vocabulary", logits.size(1));
   if (rows == 0) return;
   DeviceGuard guard(logits.device_index);
   dispatch_float(logits.dtype, kOp, [&]<typename T>() {
-    sample_tokens_kernel<T><<<rows, kThreads, 0, stream>>>(out.ptr<int32_t>(), logits.ptr<const T>(),
-                                                           inv_temperature.ptr<const float>(), vocab, seed);
+    sample_tokens_kernel<T><<<rows, kThreads, 0, stream>>>(
+        out.ptr<int32_t>(), logits.ptr<const T>(), inv_temperature.ptr<const float>(),
+        allowed.data == nullptr ? nullptr : allowed.ptr<const int32_t>(), vocab, seed);
     check_launch("sample_tokens_kernel");
   });
 }

@@ -109,7 +109,7 @@ TEST(OpContracts, TensorRulesHoldOnBothDevices) {
     HostTensor<int64_t> long_ids({2});
     HostTensor<float> logits({2, 5}), inv_t({2});
     EXPECT_TRUE(throws_invalid(
-        [&] { check_sample_tokens(device, v(long_ids.view()), v(logits.view()), v(inv_t.view())); },
+        [&] { check_sample_tokens(device, v(long_ids.view()), v(logits.view()), v(inv_t.view()), {}); },
         "sample_tokens: out must be int32"));
   }
 }

@@ -23,7 +23,7 @@ std::vector<int32_t> draw(const std::vector<float>& row, int rows, float tempera
   HostTensor<float> inv_t({rows});
   std::fill(inv_t.data.begin(), inv_t.data.end(), temperature > 0 ? 1.0f / temperature : 0.0f);
   HostTensor<int32_t> out({rows});
-  sample_tokens(out.view(), logits.view(), inv_t.view(), seed);
+  sample_tokens(out.view(), logits.view(), inv_t.view(), {}, seed);
   return out.data;
 }
 
@@ -72,8 +72,8 @@ TEST(SampleTokens, ReducedPrecisionLogitsSampleLikeTheirFloatValues) {
   HostTensor<float> inv_t({16});
   for (int r = 0; r < 16; ++r) inv_t[r] = r % 3 == 0 ? 0.0f : 1.3f;
   HostTensor<int32_t> got({16}), want({16});
-  sample_tokens(got.view(), logits.view(), inv_t.view(), 99);
-  sample_tokens(want.view(), as_float.view(), inv_t.view(), 99);
+  sample_tokens(got.view(), logits.view(), inv_t.view(), {}, 99);
+  sample_tokens(want.view(), as_float.view(), inv_t.view(), {}, 99);
   EXPECT_EQ(got.data, want.data);
 }
 
@@ -81,12 +81,47 @@ TEST(SampleTokens, RejectsBadArguments) {
   HostTensor<float> logits({2, 5});
   HostTensor<float> inv_t({2});
   HostTensor<int32_t> out({3});
-  EXPECT_TRUE(testing::throws_invalid([&] { sample_tokens(out.view(), logits.view(), inv_t.view(), 1); },
+  EXPECT_TRUE(testing::throws_invalid([&] { sample_tokens(out.view(), logits.view(), inv_t.view(), {}, 1); },
                                       "sample_tokens: out must have size 2"));
   HostTensor<int32_t> ok({2});
   HostTensor<int32_t> int_logits({2, 5});
-  EXPECT_TRUE(testing::throws_invalid([&] { sample_tokens(ok.view(), int_logits.view(), inv_t.view(), 1); },
+  EXPECT_TRUE(testing::throws_invalid([&] { sample_tokens(ok.view(), int_logits.view(), inv_t.view(), {}, 1); },
                                       "sample_tokens: logits"));
+}
+
+TEST(SampleTokens, AnAllowedMaskSamplesAsMinusInfinityLogitsDo) {
+  // Rows of 77 tokens (three mask words, the last one partly used): every row masked differently, one
+  // row with nothing allowed (token 0, as all -inf logits give), greedy and temperature rows.
+  const int rows = 24, vocab = 77, words = 3;
+  HostTensor<float> logits({rows, vocab}), minus_inf({rows, vocab});
+  HostTensor<int32_t> allowed({rows, words});
+  uint32_t state = 12345;
+  auto next = [&] { return state = state * 1664525u + 1013904223u; };
+  for (int r = 0; r < rows; ++r) {
+    for (int w = 0; w < words; ++w) allowed[r * words + w] = r == 5 ? 0 : static_cast<int32_t>(next() & next());
+    for (int v = 0; v < vocab; ++v) {
+      logits[r * vocab + v] = std::sin(static_cast<float>(r * vocab + v)) * 4.0f;
+      const bool ok = (static_cast<uint32_t>(allowed[r * words + v / 32]) >> (v % 32)) & 1u;
+      minus_inf[r * vocab + v] = ok ? logits[r * vocab + v] : -INFINITY;
+    }
+  }
+  HostTensor<float> inv_t({rows});
+  for (int r = 0; r < rows; ++r) inv_t[r] = r % 4 == 0 ? 0.0f : 0.8f;
+  HostTensor<int32_t> got({rows}), want({rows});
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    sample_tokens(got.view(), logits.view(), inv_t.view(), allowed.view(), seed);
+    sample_tokens(want.view(), minus_inf.view(), inv_t.view(), {}, seed);
+    ASSERT_EQ(got.data, want.data) << "seed " << seed;
+    for (int r = 0; r < rows; ++r) {
+      const int32_t id = got[r];
+      EXPECT_TRUE(r == 5 ? id == 0 : ((static_cast<uint32_t>(allowed[r * words + id / 32]) >> (id % 32)) & 1u))
+          << "row " << r << " drew a token its mask forbids";
+    }
+  }
+  HostTensor<int32_t> short_mask({rows, 2});
+  EXPECT_TRUE(testing::throws_invalid(
+      [&] { sample_tokens(got.view(), logits.view(), inv_t.view(), short_mask.view(), 1); },
+      "sample_tokens: allowed must have size 3"));
 }
 
 }  // namespace

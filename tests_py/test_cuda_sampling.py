@@ -41,3 +41,29 @@ def test_cuda_draws_follow_the_softmax():
     p = torch.softmax(row.double() / 0.7, -1)
     sigma = (rows * p * (1 - p)).sqrt()
     assert ((counts - rows * p).abs() < 5 * sigma).all(), (counts, rows * p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_masked_draws_are_the_cpu_op_masked_draws(dtype):
+    """A grammar's bitmask read in the sampling pass: only allowed tokens come out, greedy rows are the
+    masked argmax, a row with nothing allowed gives 0, and the draws are the CPU op's."""
+    rows, vocab = 128, 49_155  # the last mask word partly used
+    seed = int(torch.randint(0, 2**62, (1,)))
+    logits = (torch.randn(rows, vocab) * 3).to(dtype)
+    allowed = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32)
+    allowed[::7] &= 0x01010101  # sparse masks on some rows
+    allowed[3] = 0
+    inv_t = torch.where(torch.arange(rows) % 4 == 0, 0.0, 1.0 / (0.3 + torch.rand(rows))).float()
+    cpu = torch.full((rows,), -1, dtype=torch.int32)
+    ops.sample_tokens(cpu, logits, inv_t, seed, allowed)
+    gpu = torch.full((rows,), -1, dtype=torch.int32, device="cuda")
+    ops.sample_tokens(gpu, logits.cuda(), inv_t.cuda(), seed, allowed.cuda())
+    gpu = gpu.cpu()
+    bits = ((allowed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).reshape(rows, -1)[:, :vocab].bool()
+    drawn = bits[torch.arange(rows), gpu.long()]
+    assert drawn[torch.arange(rows) != 3].all() and gpu[3] == 0
+    greedy = inv_t == 0
+    masked = logits.float().masked_fill(~bits, float("-inf"))
+    assert torch.equal(gpu[greedy], masked[greedy].argmax(-1).int())
+    agree = (gpu == cpu).float().mean().item()
+    assert agree >= 0.99, f"seed {seed}: only {agree:.3f} of rows agree with the CPU op"

@@ -225,6 +225,33 @@ def test_sampler_mask_only_touches_its_rows():
     assert torch.equal(logits, before)
 
 
+def test_plain_rows_sample_the_mask_in_one_pass_as_the_masked_logits():
+    """Rows that sample plainly (temperature or greedy) take the mask inside ops.sample_tokens: the draws
+    equal those of the same sampler on logits masked to -inf first (xgrammar's apply), an unconstrained
+    row ignores what an earlier step left in its bitmask row, and a row with nothing allowed gets 0."""
+    import torch
+
+    from pagedserve.sample.grammar_mask import GrammarMask, apply_mask
+    from pagedserve.sample.sampler import Sampler, SamplingRow
+
+    vocab, num_rows = 1000, 16
+    logits = torch.randn(num_rows, vocab + 24)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (num_rows + 4, (vocab + 31) // 32), dtype=torch.int32)
+    bitmask[3] = 0  # row 3: nothing allowed
+    constrained = [r for r in range(num_rows) if r != 5]  # row 5's words are stale: it samples unmasked
+    rows = [SamplingRow(SamplingParams(temperature=0.0 if r % 4 == 0 else 0.8), 1, [1], []) for r in range(num_rows)]
+    for seed in range(5):
+        fused = Sampler("cpu", vocab, eos_token_ids=[0], seed=seed).launch(
+            logits, rows, GrammarMask(bitmask.clone(), constrained)).result().token_ids
+        masked = apply_mask(logits[:, :vocab], GrammarMask(bitmask.clone(), constrained))
+        expected = Sampler("cpu", vocab, eos_token_ids=[0], seed=seed).launch(masked, rows).result().token_ids
+        assert fused == expected
+        assert fused[3] == 0
+        for r in constrained:
+            if r != 3:
+                assert (int(bitmask[r, fused[r] // 32]) >> (fused[r] % 32)) & 1, f"row {r} drew a forbidden token"
+
+
 def test_grammar_end_ends_the_sequence_even_with_ignore_eos(llm):
     """ignore_eos keeps the scheduler going past EOS; the terminated grammar still ends the sample."""
     so = StructuredOutputsParams(choice=["yes", "no"])

@@ -84,6 +84,11 @@ void qkv_linear_rope_cache(const TensorView& query_out, const TensorView& x, con
                              value_cache, slot_mapping);
 }
 
+void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
+                   const std::optional<TensorView>& allowed, uint64_t seed, HostStream) {
+  ops::sample_tokens(out, logits, inv_temperature, allowed.value_or(TensorView{}), seed);
+}
+
 void rope_cos_sin_cache(const TensorView& cos_sin, double theta, double factor, double low_freq_factor,
                         double high_freq_factor, int64_t original_max_position) {
   ops::rope_cos_sin_cache(cos_sin, theta, {factor, low_freq_factor, high_freq_factor, original_max_position});
@@ -140,10 +145,12 @@ void bind_ops(py::module_& m) {
                    py::arg("query_out"), py::arg("x"), py::arg("weight"), py::arg("bias").none(true),
                    py::arg("positions"), py::arg("cos_sin_cache"), py::arg("key_cache"), py::arg("value_cache"),
                    py::arg("slot_mapping"), stream);
-  def_op<kRelease>(m, "sample_tokens", &OnHost<&ops::sample_tokens>::call,
+  def_op<kRelease>(m, "sample_tokens", &sample_tokens,
                    "Gumbel-max sampling of one token per row: argmax(logits * inv_temperature + gumbel noise); "
-                   "rows with inv_temperature <= 0 are greedy.",
-                   py::arg("out"), py::arg("logits"), py::arg("inv_temperature"), py::arg("seed"), stream);
+                   "rows with inv_temperature <= 0 are greedy; `allowed` (or None): an int32 [R, ceil(V / 32)] "
+                   "bitmask of the eligible tokens.",
+                   py::arg("out"), py::arg("logits"), py::arg("inv_temperature"), py::arg("allowed").none(true),
+                   py::arg("seed"), stream);
 
   // CPU only.
   def_op<kRelease>(m, "rope_cos_sin_cache", &rope_cos_sin_cache,

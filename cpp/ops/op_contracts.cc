@@ -389,7 +389,7 @@ void require_expert_offsets(std::string_view op, const TensorView& offsets, int6
 }
 
 void check_sample_tokens(Device device, const TensorView& out, const TensorView& logits,
-                         const TensorView& inv_temperature) {
+                         const TensorView& inv_temperature, const TensorView& allowed) {
   Args a("sample_tokens", device);
   a.floats("logits", logits, 2);
   a.of("out", out, 1, DType::kInt32);
@@ -398,6 +398,10 @@ void check_sample_tokens(Device device, const TensorView& out, const TensorView&
   a.size("out", out, 0, rows);
   a.size("inv_temperature", inv_temperature, 0, rows);
   PS_REQUIRE(logits.size(1) > 0, a.op(), "logits must have at least one column");
+  if (allowed.data == nullptr) return;
+  a.of("allowed", allowed, 2, DType::kInt32);
+  a.size("allowed", allowed, 0, rows);
+  a.size("allowed", allowed, 1, (logits.size(1) + 31) / 32);
 }
 
 }  // namespace pagedserve::ops

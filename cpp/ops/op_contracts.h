@@ -99,9 +99,10 @@ void check_qkv_linear_rope_cache(Device device, const TensorView& query_out, con
                                  const TensorView& cos_sin, const TensorView& key_cache,
                                  const TensorView& value_cache, const TensorView& slot_mapping);
 
-// sample_tokens: logits [R, V] float, V > 0; out [R] int32; inv_temperature [R] float32.
+// sample_tokens: logits [R, V] float, V > 0; out [R] int32; inv_temperature [R] float32; allowed
+// (when it has data) [R, ceil(V / 32)] int32.
 void check_sample_tokens(Device device, const TensorView& out, const TensorView& logits,
-                         const TensorView& inv_temperature);
+                         const TensorView& inv_temperature, const TensorView& allowed);
 
 // ---------------------------------------------------------------------------
 // The rules contracts are made of (beside tensor_view.h's require_*).

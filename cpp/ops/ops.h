@@ -170,9 +170,13 @@ void packed_grouped_linear(const TensorView& out, const TensorView& x, const Ten
 // with key_r = gumbel_row_key(seed, r) and Gumbel noise from gumbel_noise.h:
 // a draw from softmax(logits[r] / T) (the Gumbel-max trick). Rows with
 // inv_temperature <= 0 are greedy: the plain argmax. Ties go to the lowest id.
+// `allowed` (optional: no data = every token): an int32 [R, ceil(V / 32)]
+// bitmask, token v of row r eligible when bit v % 32 of word v / 32 is set (the
+// structured-output grammar's mask); the result is that of the logits with the
+// other tokens at -inf. A row with nothing eligible (or only -inf) gives 0.
 // out: [R] int32; logits: [R, V] float; inv_temperature: [R] float32.
 void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
-                   uint64_t seed);
+                   const TensorView& allowed, uint64_t seed);
 
 // Threads the ops may use (default: hardware concurrency). Small problems run inline.
 void set_num_threads(int num_threads);

@@ -16,12 +16,21 @@ namespace {
 // = 17.33, with room for the rounding of the comparison below.
 constexpr float kMaxGumbel = 17.5f;
 
+// Token v's logit, or -inf where `allowed` (one row of the bitmask, or null) clears its bit.
 template <typename T>
-int32_t sample_row(const T* logits, int64_t vocab, float inv_temperature, uint64_t key) {
+float masked_logit(const T* logits, const int32_t* allowed, int64_t v) {
+  if (allowed != nullptr && ((static_cast<uint32_t>(allowed[v / 32]) >> (v % 32)) & 1u) == 0) {
+    return -std::numeric_limits<float>::infinity();
+  }
+  return to_float(logits[v]);
+}
+
+template <typename T>
+int32_t sample_row(const T* logits, const int32_t* allowed, int64_t vocab, float inv_temperature, uint64_t key) {
   float best = -std::numeric_limits<float>::infinity();
   int64_t best_id = 0;
   for (int64_t v = 0; v < vocab; ++v) {  // the argmax: the answer for greedy rows, a head start otherwise
-    const float x = to_float(logits[v]);
+    const float x = masked_logit(logits, allowed, v);
     if (x > best) {
       best = x;
       best_id = v;
@@ -36,11 +45,12 @@ int32_t sample_row(const T* logits, int64_t vocab, float inv_temperature, uint64
   best = std::fma(best, inv_temperature, gumbel_at_max);
   const float cutoff = best - kMaxGumbel;
   for (int64_t v = 0; v < vocab; ++v) {
-    const float scaled = to_float(logits[v]) * inv_temperature;
+    const float x = masked_logit(logits, allowed, v);
+    const float scaled = x * inv_temperature;
     if (scaled < cutoff || v == best_id) continue;
     const float gumbel = -std::log(-std::log(uniform_open(key, v)));
     // One fused multiply-add, as the CUDA kernel does, so both round alike.
-    const float score = std::fma(to_float(logits[v]), inv_temperature, gumbel);
+    const float score = std::fma(x, inv_temperature, gumbel);
     if (score > best || (score == best && v < best_id)) {
       best = score;
       best_id = v;
@@ -52,16 +62,18 @@ int32_t sample_row(const T* logits, int64_t vocab, float inv_temperature, uint64
 }  // namespace
 
 void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
-                   uint64_t seed) {
+                   const TensorView& allowed, uint64_t seed) {
   constexpr std::string_view op = "sample_tokens";
-  check_sample_tokens(Device::kCPU, out, logits, inv_temperature);
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  check_sample_tokens(Device::kCPU, out, logits, inv_temperature, allowed);
+  const int64_t rows = logits.size(0), vocab = logits.size(1), words = (vocab + 31) / 32;
   const float* inv_t = inv_temperature.ptr<const float>();
+  const int32_t* mask = allowed.data == nullptr ? nullptr : allowed.ptr<const int32_t>();
   int32_t* ids = out.ptr<int32_t>();
   dispatch_float(logits.dtype, op, [&]<typename T>() {
     const T* base = logits.ptr<const T>();
     parallel_run(rows * vocab).for_each(rows, [&](int64_t r, int) {
-      ids[r] = sample_row(base + r * vocab, vocab, inv_t[r], gumbel_row_key(seed, r));
+      ids[r] = sample_row(base + r * vocab, mask == nullptr ? nullptr : mask + r * words, vocab, inv_t[r],
+                          gumbel_row_key(seed, r));
     });
   });
 }

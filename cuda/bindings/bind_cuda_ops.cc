@@ -54,6 +54,11 @@ void qkv_linear_rope_cache(const TensorView& query_out, const TensorView& x, con
                               value_cache, slot_mapping, stream);
 }
 
+void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
+                   const std::optional<TensorView>& allowed, uint64_t seed, cudaStream_t stream) {
+  cuda::sample_tokens(out, logits, inv_temperature, allowed.value_or(TensorView{}), seed, stream);
+}
+
 }  // namespace
 
 void bind_cuda_ops(py::module_& m) {
@@ -109,9 +114,10 @@ void bind_cuda_ops(py::module_& m) {
                 "Mixture-of-experts products: out[r] = x[r] weight[e]^T for the rows [expert_offsets[e], "
                 "expert_offsets[e + 1]) of each expert e (cpp/ops/grouped_linear.h).",
                 py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("expert_offsets"), stream);
-  def_op<kHold>(m, "sample_tokens", &cuda::sample_tokens,
+  def_op<kHold>(m, "sample_tokens", &sample_tokens,
                 "Gumbel-max sampling of one token per row (see cpp/ops/ops.h).",
-                py::arg("out"), py::arg("logits"), py::arg("inv_temperature"), py::arg("seed"), stream);
+                py::arg("out"), py::arg("logits"), py::arg("inv_temperature"), py::arg("allowed").none(true),
+                py::arg("seed"), stream);
 
   m.def("paged_attention_workspace_bytes", &cuda::paged_attention_workspace_bytes, py::arg("num_seqs"),
         py::arg("num_heads"), py::arg("head_dim"), py::arg("max_seq_len"),

@@ -204,12 +204,16 @@ def grouped_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, exp
     kernels.grouped_linear(_dl(out), _dl(x), _dl(weight), _dl(expert_offsets), stream)
 
 
-def sample_tokens(out: torch.Tensor, logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int) -> None:
+def sample_tokens(out: torch.Tensor, logits: torch.Tensor, inv_temperature: torch.Tensor, seed: int,
+                  allowed: Optional[torch.Tensor] = None) -> None:
     """out[r] = argmax_v(logits[r, v] * inv_temperature[r] + gumbel noise(seed, r, v)): a draw from
     softmax(logits[r] / T) in one pass over the logits; inv_temperature[r] <= 0 means greedy.
-    out: [R] int32; logits: [R, V]; inv_temperature: [R] float32; seed: 0 <= seed < 2**64."""
+    out: [R] int32; logits: [R, V]; inv_temperature: [R] float32; seed: 0 <= seed < 2**64;
+    allowed: None, or an int32 [R, ceil(V / 32)] bitmask of the eligible tokens (bit v % 32 of word
+    v // 32: a grammar's mask), the others sampled as if their logits were -inf."""
     kernels, stream = _backend(logits)
-    kernels.sample_tokens(_dl(out), _dl(logits), _dl(inv_temperature), seed, stream)
+    kernels.sample_tokens(_dl(out), _dl(logits), _dl(inv_temperature), None if allowed is None else _dl(allowed),
+                          seed, stream)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 Both grammar backends (xgrammar, and llguidance where xgrammar cannot compile) write the same layout, an
 int32 [rows, ceil(vocab / 32)] bitmask with token t allowed when bit t % 32 of word t // 32 is set, so
-one kernel (xgrammar's) applies either's rows."""
+one kernel applies either's rows: the sampler's own (ops.sample_tokens reads the mask in its pass over the
+logits) where the rows sample plainly, xgrammar's (apply_mask, on a float32 copy) before the other
+sampling parameters."""
 
 from __future__ import annotations
 
@@ -15,6 +17,18 @@ class GrammarMask:
     def __init__(self, bitmask: torch.Tensor, rows: list[int]):
         self.bitmask = bitmask  # [>= R, ceil(V / 32)] int32 on the host (pinned when the sampler is on CUDA)
         self.rows = rows  # the logits rows constrained; the others are left alone
+
+    def allowed(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        """The mask of logits rows [0, num_rows) as ops.sample_tokens takes it, on `device`: the
+        constrained rows' words, every token allowed in the others (written into the host buffer,
+        whose other rows hold earlier steps' masks)."""
+        bitmask = self.bitmask[:num_rows]
+        if len(self.rows) < num_rows:
+            constrained = set(self.rows)
+            for row in range(num_rows):
+                if row not in constrained:
+                    bitmask[row] = -1
+        return bitmask if device.type == "cpu" else bitmask.to(device, non_blocking=True)
 
 
 def apply_mask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:

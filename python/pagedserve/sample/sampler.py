@@ -101,6 +101,7 @@ class Sampler:
         # Seeds for the fused Gumbel-max path (ops.sample_tokens): drawn on the host, so no
         # generator state lives on the device and one seed per step covers every row.
         self._step_seeds = random.Random(seed)
+        self._inv_t: tuple[list[float], Optional[torch.Tensor]] = ([], None)  # the last step's, on the device
 
     def generator_for(self, params: SamplingParams,
                       sample_index: int = 0) -> Optional[torch.Generator]:
@@ -125,12 +126,12 @@ class Sampler:
         logits = logits[:, :self.vocab_size]
         if not rows:
             return PendingSamples.ready(SamplerOutput(token_ids=[], logprobs=None))
+        if self._is_plain_temperature(rows):  # a grammar's mask goes into the same pass
+            return self._launch_gumbel_max(logits, rows, grammar)
         if grammar is not None:
             from pagedserve.sample.grammar_mask import apply_mask
 
             logits = apply_mask(logits, grammar)
-        if self._is_plain_temperature(rows):
-            return self._launch_gumbel_max(logits, rows)
         batch = build_sampling_batch(rows, self.vocab_size, self.eos_token_ids, self.device)
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs is not None else None
@@ -182,15 +183,26 @@ class Sampler:
 
     # -- checks ---------------------------------------------------------------------
 
-    def _launch_gumbel_max(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> "PendingSamples":
+    def _launch_gumbel_max(self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar=None) -> "PendingSamples":
         """Temperature sampling (greedy rows included) in one pass over the logits, which may stay
-        in the model's dtype: Gumbel-max with noise hashed from a per-step seed."""
-        inv_t = torch.tensor([0.0 if row.params.greedy else 1.0 / row.params.temperature for row in rows],
-                             dtype=torch.float32)
+        in the model's dtype: Gumbel-max with noise hashed from a per-step seed. A grammar's mask is
+        read by the same pass (no masked float32 copy of the logits, no second kernel: on an H200 host
+        those were ~0.25 ms a step of a JSON-constrained batch, bench/results/h200/session11.md)."""
         out = torch.empty(len(rows), dtype=torch.int32, device=logits.device)
-        ops.sample_tokens(out, logits.contiguous(), inv_t.to(logits.device, non_blocking=True),
-                          self._step_seeds.getrandbits(64))
+        allowed = None if grammar is None else grammar.allowed(len(rows), logits.device)
+        ops.sample_tokens(out, logits.contiguous(), self._inverse_temperatures(rows, logits.device),
+                          self._step_seeds.getrandbits(64), allowed)
         return PendingSamples.copy(out, lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None))
+
+    def _inverse_temperatures(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
+        """[R] float32 1 / T on `device` (0: greedy), kept while the rows' temperatures repeat: a decode
+        batch keeps them step after step, and a tensor made and copied each step was ~60 us of host time."""
+        values = [0.0 if row.params.greedy else 1.0 / row.params.temperature for row in rows]
+        last, tensor = self._inv_t
+        if values != last or tensor is None or tensor.device != device:
+            tensor = torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+            self._inv_t = (values, tensor)
+        return tensor
 
     def _is_plain_temperature(self, rows: Sequence[SamplingRow]) -> bool:
         """True when every row is one unseeded (or greedy) draw from softmax(logits / T):
