@@ -101,7 +101,6 @@ class Sampler:
         # Seeds for the fused Gumbel-max path (ops.sample_tokens): drawn on the host, so no
         # generator state lives on the device and one seed per step covers every row.
         self._step_seeds = random.Random(seed)
-        self._inv_t: tuple[list[float], Optional[torch.Tensor]] = ([], None)  # the last step's, on the device
 
     def generator_for(self, params: SamplingParams,
                       sample_index: int = 0) -> Optional[torch.Generator]:
@@ -188,21 +187,13 @@ class Sampler:
         in the model's dtype: Gumbel-max with noise hashed from a per-step seed. A grammar's mask is
         read by the same pass (no masked float32 copy of the logits, no second kernel: on an H200 host
         those were ~0.25 ms a step of a JSON-constrained batch, bench/results/h200/session11.md)."""
+        inv_t = torch.tensor([0.0 if row.params.greedy else 1.0 / row.params.temperature for row in rows],
+                             dtype=torch.float32)
         out = torch.empty(len(rows), dtype=torch.int32, device=logits.device)
         allowed = None if grammar is None else grammar.allowed(len(rows), logits.device)
-        ops.sample_tokens(out, logits.contiguous(), self._inverse_temperatures(rows, logits.device),
+        ops.sample_tokens(out, logits.contiguous(), inv_t.to(logits.device, non_blocking=True),
                           self._step_seeds.getrandbits(64), allowed)
         return PendingSamples.copy(out, lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None))
-
-    def _inverse_temperatures(self, rows: Sequence[SamplingRow], device: torch.device) -> torch.Tensor:
-        """[R] float32 1 / T on `device` (0: greedy), kept while the rows' temperatures repeat: a decode
-        batch keeps them step after step, and a tensor made and copied each step was ~60 us of host time."""
-        values = [0.0 if row.params.greedy else 1.0 / row.params.temperature for row in rows]
-        last, tensor = self._inv_t
-        if values != last or tensor is None or tensor.device != device:
-            tensor = torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
-            self._inv_t = (values, tensor)
-        return tensor
 
     def _is_plain_temperature(self, rows: Sequence[SamplingRow]) -> bool:
         """True when every row is one unseeded (or greedy) draw from softmax(logits / T):
