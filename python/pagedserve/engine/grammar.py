@@ -39,9 +39,9 @@ logger = logging.getLogger("pagedserve")
 
 _CACHE_SIZE = 256
 
-# Threads filling a step's masks: 64 masks took 1.2-1.8 / 0.9-1.1 / 0.51-0.60 / 0.50-0.53 / 0.62-0.69 ms on
-# 1 / 2 / 4 / 8 / 16 threads of an H200 host's 16 cores (structured_bench.py's fill scaling, two runs): past
-# 8, the pool's overhead outgrows the work.
+# Threads filling a step's masks: 64 masks took 1.08-1.77 / 0.86-1.14 / 0.51-0.65 / 0.46-0.54 / 0.62-0.69 ms
+# on 1 / 2 / 4 / 8 / 16 threads of an H200 host's 16 cores (structured_bench.py's fill scaling, four runs):
+# past 8, the pool's overhead outgrows the work.
 _FILL_THREADS = 8
 
 _SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
