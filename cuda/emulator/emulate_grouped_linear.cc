@@ -93,6 +93,8 @@ void small_batch_linear_cases() {
     small_batch_case(dt, 5, 5632, 6, false, false);
     qkv_linear_rope_case(dt, 1, 4, 2, 16, 16, 264, false);
     qkv_linear_rope_case(dt, 4, 3, 1, 20, 8, 64, true);
+    qkv_linear_rope_case(dt, 2, 5, 1, 12, 6, 72, true);    // 18 pairs: the last pair block part full
+    qkv_linear_rope_case(dt, 3, 2, 2, 64, 64, 2048, false);  // TinyLlama's head dim and K
   }
 }
 
