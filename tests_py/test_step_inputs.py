@@ -20,7 +20,8 @@ def test_padded_decode_rows_write_nothing_and_attend_to_nothing():
     step = decode_step(3)
     assert step.num_decodes == 3
     inputs = StepInputs(max_num_tokens=64, max_num_seqs=8, max_blocks_per_seq=4, device=torch.device("cpu"))
-    ids, pos, attn, logits = inputs.prepare(step, padded_num_seqs=8)
+    ids, pos, attn = inputs.decode_views(8, max_seq_len=16)  # what the graph of 8 rows captured
+    logits = inputs.prepare_replay(step, 8)
     assert ids.shape == (8,) and attn.block_tables.shape == (8, 4) and attn.num_decodes == 8
     assert ids[:3].tolist() == [7, 7, 7] and pos[:3].tolist() == [5, 5, 5]
     assert attn.slot_mapping[:3].tolist() == step.slot_mapping.tolist()
@@ -36,5 +37,16 @@ def test_capture_views_alias_what_prepare_fills():
     ids, pos, attn = inputs.decode_views(8, max_seq_len=16)
     assert attn.slot_mapping.tolist() == [PAD_SLOT] * 8 and attn.seq_lens.tolist() == [1] * 8
     assert attn.query_start_loc.tolist() == list(range(9)) and attn.max_query_len == 1 and attn.max_seq_len == 16
-    inputs.prepare(decode_step(2), padded_num_seqs=8)  # a graph replay reads the new values in place
+    inputs.prepare_replay(decode_step(2), 8)  # a graph replay reads the new values in place
     assert ids[:2].tolist() == [7, 7] and attn.seq_lens[:3].tolist() == [6, 6, 0]
+
+
+def test_an_eager_step_gets_views_of_its_own_size():
+    step = decode_step(3)
+    inputs = StepInputs(max_num_tokens=64, max_num_seqs=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    inputs.prepare_replay(decode_step(5), 8)  # a padded replay before leaves nothing behind in the views
+    ids, pos, attn, logits = inputs.prepare(step)
+    assert ids.tolist() == [7, 7, 7] and pos.tolist() == [5, 5, 5] and attn.num_decodes == 3
+    assert attn.block_tables.shape == (3, 4) and attn.seq_lens.tolist() == [6, 6, 6]
+    assert attn.query_start_loc.tolist() == [0, 1, 2, 3] and logits.tolist() == [0, 1, 2]
+    assert inputs.logits_indices(3) is logits  # one view per count, made once

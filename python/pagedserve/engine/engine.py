@@ -186,14 +186,16 @@ class LLMEngine:
                     request.num_cached_tokens = int(positions[qsl[row]])
 
     def _launch(self, out):
-        """The step on the device, with the structured-output token mask of its rows (filled on the host
-        once the forward is queued: on CUDA while the device runs it)."""
-        rows, matchers = self._sampling_rows(out)
-        mask = (lambda: self.grammars.fill_bitmask(matchers)) if matchers else None
+        """The step on the device; its sampling rows and their grammar mask are made once the forward is
+        queued (on CUDA while the device runs it: at 64 rows ~0.1 ms of Python kept off the gap between forwards)."""
+        matchers: list = []
+        rows = lambda: self._sampling_rows(out, matchers)  # noqa: E731
+        mask = lambda: self.grammars.fill_bitmask(matchers) if matchers else None  # noqa: E731
         return self.worker.execute_async(out, rows, mask, self._prompt_logprobs.plan(out))
 
-    def _sampling_rows(self, out) -> tuple[list, list]:
-        rows, matchers = [], []
+    def _sampling_rows(self, out, matchers: list) -> list:
+        """The step's SamplingRows; (row, matcher) of the rows under a grammar are added to `matchers`."""
+        rows = []
         seq_ids = out.seq_ids.tolist()  # plain ints: a numpy scalar per row costs more than the lookup
         for row, n in zip(out.sample_rows.tolist(), out.num_samples.tolist()):
             request, index = self._sequences[seq_ids[row]]
@@ -201,7 +203,7 @@ class LLMEngine:
             if grammar is not None:
                 matchers.append((len(rows), grammar))
             rows.append(request.sampling_row(index, n))
-        return rows, matchers
+        return rows
 
     def _record_tokens(self, out, sampled: SamplerOutput, result) -> None:
         """update()'s tokens onto their samples: cheap bookkeeping the next step's sampler needs."""
@@ -305,7 +307,6 @@ class LLMEngine:
         import gc
         gc.collect()
         if device.type == "cuda":
-            import torch
             torch.cuda.empty_cache()
 
     def stats(self) -> dict:

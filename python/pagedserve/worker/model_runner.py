@@ -41,8 +41,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> Optional[PendingSamples]:
         """Queues `step` (a _core.StepOutput, or any object with its fields) and the sampling of
-        `rows` (one SamplingRow per sample row) on the device; the result arrives with
-        PendingSamples.result(). `grammar`: the sampler's token mask, or a callable returning it.
+        `rows` (one SamplingRow per sample row, or a callable returning them) on the device; the result
+        arrives with PendingSamples.result(). `grammar`: the sampler's token mask, or a callable returning
+        it. Callables are called once the forward is queued, rows first.
         `prompt_plan` (sample.prompt_logprobs.PromptLogprobsPlan, prefill steps only): the prompt
         logprobs to compute too; they arrive with the result's `prompt_logprobs.result()`.
         A tensor-parallel rank other than the driver runs the same model calls (and so the same
@@ -55,6 +56,8 @@ class ModelRunner:
             logits, prompt_pending = self._forward(step, prompt_plan)
             if logits is None:
                 return None
+            if callable(rows):  # made on the host while the device runs the forward
+                rows = rows()
             if callable(grammar):  # the structured-output mask: filled on the host while the device runs the forward
                 grammar = grammar()
             pending = self.sampler.launch(logits, rows, grammar)
@@ -68,7 +71,7 @@ class ModelRunner:
         """The logits of the step's sample rows, and the pending prompt logprobs of `prompt_plan`."""
         graph = self.graphs.lookup(step) if self.graphs is not None and prompt_plan is None else None
         if graph is not None:
-            _, _, _, logits_indices = self.inputs.prepare(step, padded_num_seqs=graph.batch_size)
+            logits_indices = self.inputs.prepare_replay(step, graph.batch_size)
             hidden = graph.replay()
         else:
             input_ids, positions, attn, logits_indices = self.inputs.prepare(step)
