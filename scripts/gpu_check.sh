@@ -62,7 +62,8 @@ for stage in "${STAGES[@]}"; do
       run_stage optests python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py \
         tests_py/test_ops_grouped_linear.py tests_py/test_ops_attention_window.py tests_py/test_ops_small_batch_linear.py tests_py/test_ops_qkv_rope_cache.py \
         tests_py/test_ops_qkv_linear_rope_cache.py -q -p no:cacheprovider ;;
-    sanitizer)  # memcheck over every GPU op test (~25 s); racecheck and synccheck on the attention subset
+    sanitizer)  # memcheck over every GPU op test (~25 s); racecheck and synccheck on the kernels that share memory
+                # across warps: the attention subset and qkv_linear_rope_cache (rotation pairs meet in shared memory)
       run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \
         python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py tests_py/test_ops_grouped_linear.py \
         tests_py/test_ops_attention_window.py tests_py/test_ops_small_batch_linear.py tests_py/test_ops_qkv_rope_cache.py \
@@ -70,6 +71,8 @@ for stage in "${STAGES[@]}"; do
       for tool in racecheck synccheck; do
         run_stage "sanitizer_$tool" compute-sanitizer --tool "$tool" --error-exitcode 1 \
           python3 -m pytest tests_py/test_cuda_ops.py -q -p no:cacheprovider -k sanitizer_subset_attention
+        run_stage "sanitizer_${tool}_qkv" compute-sanitizer --tool "$tool" --error-exitcode 1 \
+          python3 -m pytest tests_py/test_ops_qkv_linear_rope_cache.py -q -p no:cacheprovider
       done ;;
     kernels)
       run_stage kernels python3 bench/perf/kernel_bench.py --out "$RUN"

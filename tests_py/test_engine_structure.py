@@ -93,6 +93,18 @@ def test_abort_returns_the_final_outputs_and_frees_blocks(engine):
     assert engine.step() == []
 
 
+def test_tokens_are_recorded_by_the_next_launch_and_an_abort_keeps_them(engine):
+    engine.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=20, temperature=0), stream=False)
+    for _ in range(3):
+        engine.step()
+    request = engine.requests["a"]
+    assert len(request.samples[0].token_ids) == 2  # the third step's token waits for the next launch
+    engine.step()
+    assert len(request.samples[0].token_ids) == 3
+    final = engine.abort_request("a")[0].outputs[0]
+    assert len(final.token_ids) == 4 and final.finish_reason == "abort"  # the fourth step's token too
+
+
 def test_prefix_cache_hit_is_reported_as_cached_tokens(engine):
     prompt = list(range(10, 21))  # 11 tokens: two full blocks of 4 can be cached
     engine.add_request("first", prompt, SamplingParams(max_tokens=2, temperature=0))

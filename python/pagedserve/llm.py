@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any, Optional, Sequence, Union
 
-from pagedserve.engine.engine import LLMEngine, PromptType
+from pagedserve.engine.engine import LLMEngine
 from pagedserve.engine_config import EngineConfig, option_help
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.engine.tokenizer import apply_chat_template
+from pagedserve.engine.tokenizer import PromptType, apply_chat_template
 
 Messages = list[dict]
 

@@ -17,6 +17,16 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
+def logprob_entry(lp, tokenizer=None) -> dict[int, Logprob]:
+    """One token's {token_id: Logprob} from the sampler's TokenLogprobs `lp`: the sampled token with its
+    rank, then the top-N (ranks from 1) unless already there; decoded_token set when there is a tokenizer."""
+    decode = tokenizer.decode if tokenizer is not None else (lambda ids: None)
+    entry = {lp.token_id: Logprob(lp.logprob, lp.rank, decode([lp.token_id]))}
+    for rank, (tid, value) in enumerate(lp.top, start=1):
+        entry.setdefault(tid, Logprob(value, rank, decode([tid])))
+    return entry
+
+
 @dataclass
 class CompletionOutput:
     index: int

@@ -11,9 +11,12 @@ One step:
        strings, build its outputs (host work that would otherwise sit between
        two forwards)
     -> wait for this step's sampled ids -> update (C++): append, EOS,
-       max_tokens, forks -> record the tokens on their requests.
-So text and outputs trail the tokens by one step; engine/sequences.py says
-how and why every sequence finishes.
+       max_tokens, forks.
+The tokens are recorded on their requests by the next step, once its forward
+is queued (the sampling rows, penalties and grammars that read them come
+next), so a decode forward follows the last with only update, schedule and
+the input copy between them. So text and outputs trail the tokens by one
+step; engine/sequences.py says how and why every sequence finishes.
 """
 
 from __future__ import annotations
@@ -32,20 +35,21 @@ from pagedserve.engine.prompt_logprobs import PromptLogprobs
 from pagedserve.engine.request import Request
 from pagedserve.engine.sequences import REJECTED_ERROR, Sequences
 from pagedserve.engine.snapshot import engine_snapshot
-from pagedserve.engine.tokenizer import bad_words_token_ids, encode_prompt, eos_token_ids, load_tokenizer
-from pagedserve.engine.validation import EngineLimits, check_text, validate_request
+from pagedserve.engine.tokenizer import (PromptType, bad_words_token_ids, eos_token_ids, load_tokenizer,
+                                         prompt_token_ids)
+from pagedserve.engine.validation import EngineLimits, validate_request
 from pagedserve.distributed.launch import make_worker
 from pagedserve.engine_config import EngineConfig, resolve_defaults
 from pagedserve.errors import RequestError
 from pagedserve.models.default_model import model_path
 from pagedserve.models.model_config import ModelConfig, check_device_usable, resolve_device
-from pagedserve.outputs import Logprob, RequestOutput
+from pagedserve.outputs import Logprob, RequestOutput, logprob_entry
 from pagedserve.sample.sampler import SamplerOutput
+from pagedserve.sample.sampling_tensors import SamplingRow
 from pagedserve.sampling_params import DEFAULT_SAMPLING, SamplingParams
 
 logger = logging.getLogger("pagedserve")
 
-PromptType = Union[str, list[int], dict]
 _NO_SAMPLES = SamplerOutput(token_ids=[], logprobs=None)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -82,6 +86,7 @@ class LLMEngine:
         self._sequences = Sequences(self.scheduler)
         self._untexted: dict[str, Request] = {}  # requests with tokens or finishes not yet turned into outputs
         self._unscheduled: dict[int, Request] = {}  # first sequence of requests not yet scheduled
+        self._unrecorded: Optional[tuple] = None  # the last step's tokens, until the next launch records them
         self._prompt_logprobs = PromptLogprobs(self._logprob_entry)  # SamplingParams.prompt_logprobs
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -108,7 +113,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use", "request_id", "duplicate_id")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = prompt_token_ids(self.tokenizer, prompt)
         token_ids = validate_request(token_ids, params, self.limits)
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
@@ -132,6 +137,7 @@ class LLMEngine:
         """Drops requests; their KV blocks return to the pool at once. Returns the outputs that end
         the ones still unfinished (finish_reason "abort"); step() hands back nothing more for them."""
         finals = []
+        self._record_last_step()  # the tokens sampled last belong in the final outputs
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
             request = self.requests.pop(rid, None)
             self._untexted.pop(rid, None)
@@ -159,14 +165,21 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._note_schedule(out)
         pending = self._launch(out) if out.num_seqs else None
+        self._record_last_step()  # if the launch did not
         outputs = self._emit_outputs()  # overlaps the device's work on this step
         sampled = pending.result() if pending is not None else _NO_SAMPLES
         self._prompt_logprobs.record(pending)
         result = self.scheduler.update(np.asarray(sampled.token_ids, dtype=np.int32))
-        self._record_tokens(out, sampled, result)
+        self._unrecorded = (out, sampled, result, time.monotonic())
         if not self.scheduler.has_unfinished():
+            self._record_last_step()
             outputs += self._emit_outputs()  # nothing left to overlap with
         return outputs
+
+    def _record_last_step(self) -> None:
+        if self._unrecorded is not None:
+            last, self._unrecorded = self._unrecorded, None
+            self._record_tokens(*last)
 
     def _note_schedule(self, out) -> None:
         now = time.monotonic()
@@ -195,18 +208,23 @@ class LLMEngine:
 
     def _sampling_rows(self, out, matchers: list) -> list:
         """The step's SamplingRows; (row, matcher) of the rows under a grammar are added to `matchers`."""
+        self._record_last_step()  # the rows' samples, penalties and grammars take the last step's tokens
         rows = []
         seq_ids = out.seq_ids.tolist()  # plain ints: a numpy scalar per row costs more than the lookup
         for row, n in zip(out.sample_rows.tolist(), out.num_samples.tolist()):
-            request, index = self._sequences[seq_ids[row]]
+            owner = self._sequences.get(seq_ids[row])
+            if owner is None:  # stopped by that record (its grammar ended): the row's token is dropped
+                rows.append(SamplingRow(SamplingParams(temperature=0.0), n, (), ()))
+                continue
+            request, index = owner
             grammar = request.samples[index].grammar
             if grammar is not None:
                 matchers.append((len(rows), grammar))
             rows.append(request.sampling_row(index, n))
         return rows
 
-    def _record_tokens(self, out, sampled: SamplerOutput, result) -> None:
-        """update()'s tokens onto their samples: cheap bookkeeping the next step's sampler needs."""
+    def _record_tokens(self, out, sampled: SamplerOutput, result, now: float) -> None:
+        """update()'s tokens onto their samples (`now`: when they reached the host)."""
         children = {}
         for f in result.forks:
             request, _ = self._sequences[f.parent]
@@ -214,7 +232,6 @@ class LLMEngine:
             request.samples[f.sample_index].generator = self.worker.sampler.generator_for(request.params,
                                                                                           f.sample_index)
             children[(f.parent, f.sample_index)] = f.child
-        now = time.monotonic()
         seq_ids, tokens, logprobs, k = out.seq_ids.tolist(), sampled.token_ids, sampled.logprobs, 0
         for row, n in zip(out.sample_rows.tolist(), out.num_samples.tolist()):
             parent = seq_ids[row]
@@ -267,29 +284,8 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------ helpers
-    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" not in prompt:
-                raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
-            prompt = prompt["prompt"]
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model directory has no tokenizer: pass prompt token ids", "prompt",
-                                   "no_tokenizer")
-            return prompt, encode_prompt(self.tokenizer, check_text(prompt))
-        if isinstance(prompt, (list, tuple, np.ndarray)):
-            return None, [int(t) if isinstance(t, np.integer) else t for t in prompt]
-        raise RequestError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}",
-                           "prompt", "invalid_type")
-
     def _logprob_entry(self, lp) -> dict[int, Logprob]:
-        decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
-        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, decode([lp.token_id]))}
-        for rank, (tid, value) in enumerate(lp.top, start=1):
-            entry.setdefault(tid, Logprob(value, rank, decode([tid])))
-        return entry
+        return logprob_entry(lp, self.tokenizer)
 
     def check_health(self) -> None:
         """Raises EngineDeadError when a process this engine depends on died or hung (a tensor-parallel

@@ -5,6 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence, Union
 
+import numpy as np
+
+from pagedserve.engine.validation import check_text
+from pagedserve.errors import RequestError
+
+PromptType = Union[str, list[int], dict]  # text, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}
+
 if TYPE_CHECKING:  # importing transformers takes seconds: load_tokenizer imports it when it must
     from transformers import PreTrainedTokenizerBase
 
@@ -117,3 +124,24 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase,
     if tokenizer.eos_token_id is not None:
         configured.append(tokenizer.eos_token_id)
     return list(dict.fromkeys(configured))
+
+
+def prompt_token_ids(tokenizer: Optional[PreTrainedTokenizerBase],
+                     prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    """(text, token ids) of a prompt given as text, token ids or a dict with "prompt_token_ids" or "prompt";
+    RequestError for one the engine cannot take."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" not in prompt:
+            raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
+        prompt = prompt["prompt"]
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError("this model directory has no tokenizer: pass prompt token ids", "prompt",
+                               "no_tokenizer")
+        return prompt, encode_prompt(tokenizer, check_text(prompt))
+    if isinstance(prompt, (list, tuple, np.ndarray)):
+        return None, [int(t) if isinstance(t, np.integer) else t for t in prompt]
+    raise RequestError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}",
+                       "prompt", "invalid_type")
