@@ -62,6 +62,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (one GPU each) for pagedserve")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="pagedserve's share of the card")
+    ap.add_argument("--shape-warmup", action="store_true",
+                    help="before each C, run C requests of the measured prompt length for 2 tokens, so that the "
+                         "timed run finds the library kernels of its prefill shapes loaded (the default warm-up, "
+                         "2 prompts, leaves a new shape's first use in the figure: ~25-35 ms at C=1 on an H200)")
     add_engine_options(ap)
     ap.add_argument("--name", default=None, help="results file name (default derived from device and model)")
     ap.add_argument("--out", type=Path, default=None)
@@ -144,6 +148,9 @@ def run_pagedserve(args, model_dir: Path, load_format: str, dtype: str) -> tuple
         n = c * args.requests_per_slot
         prompts = [{"prompt_token_ids": p} for p in prompts_for(n, args.prompt_len, vocab)]
         params = [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in output_lens(args, n)]
+        if args.shape_warmup:
+            llm.generate([{"prompt_token_ids": p} for p in prompts_for(n, args.prompt_len, vocab, seed=98)],
+                         SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
         engine = llm.llm_engine
         engine.scheduler = recorder = PeakBlocks(engine.scheduler)
         reset_peak(args.device)
@@ -261,12 +268,13 @@ def main() -> None:
     print(table)
     lengths = f"{args.output_len}" if args.min_output_len is None else f"{args.min_output_len}..{args.output_len}"
     queue = f", {args.requests_per_slot} requests per slot" if args.requests_per_slot > 1 else ""
+    queue += ", pagedserve warmed up on each C's prompt shapes" if args.shape_warmup else ""
     tp = f", TP = {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     title = (f"{label} ({dtype_name}, {args.device}{tp}): prompt {args.prompt_len}, "
              f"output {lengths} tokens, ignore_eos{queue}")
     path = save(name, {"model": label, "dtype": dtype_name, "device": args.device, "prompt_len": args.prompt_len,
                        "output_len": args.output_len, "min_output_len": args.min_output_len,
-                       "requests_per_slot": args.requests_per_slot,
+                       "requests_per_slot": args.requests_per_slot, "shape_warmup": args.shape_warmup,
                        "tensor_parallel_size": args.tensor_parallel_size, "rows": rows}, f"## {title}\n\n{table}", args.out)
     if args.plot:
         plot(rows, path.with_suffix(".png"), title)
