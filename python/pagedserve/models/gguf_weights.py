@@ -20,7 +20,6 @@ import re
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 from torch import nn
 
