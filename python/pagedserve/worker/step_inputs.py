@@ -80,6 +80,7 @@ class StepInputs:
         return self.logits_indices(self._fill(step, padded_num_seqs))
 
     def logits_indices(self, num_logits: int) -> torch.Tensor:
+        """The device view of the first num_logits logits indices (made once per count)."""
         view = self._logits_views.get(num_logits)
         if view is None:
             view = self._logits_views[num_logits] = self._view("logits_indices")[:num_logits]
