@@ -16,6 +16,7 @@
 #include "launch_limits.h"
 #include "ops/gumbel_noise.h"
 #include "ops/op_contracts.h"
+#include "ops/token_mask.h"
 
 namespace pagedserve::cuda {
 namespace {
@@ -44,8 +45,7 @@ __device__ __forceinline__ Best warp_best(Best b) {
 // Token v's logit, or -inf where the row's bitmask (null: none) clears its bit.
 template <typename T>
 __device__ __forceinline__ float masked_logit(const T* x, const int32_t* allowed, int v) {
-  if (allowed != nullptr && ((static_cast<uint32_t>(allowed[v >> 5]) >> (v & 31)) & 1u) == 0) return -INFINITY;
-  return to_float(x[v]);
+  return ops::token_allowed(allowed, v) ? to_float(x[v]) : -INFINITY;
 }
 
 template <typename T>
@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(kThreads)
                          int vocab, uint64_t seed) {
   const int row = blockIdx.x;
   const T* x = logits + static_cast<int64_t>(row) * vocab;
-  const int32_t* mask = allowed == nullptr ? nullptr : allowed + static_cast<int64_t>(row) * ((vocab + 31) / 32);
+  const int32_t* mask = allowed == nullptr ? nullptr : allowed + row * ops::token_mask_words(vocab);
   const float inv_t = inv_temperature[row];
   const uint64_t key = ops::gumbel_row_key(seed, row);
   Best best{-FLT_MAX, vocab};

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "ops/kv_cache_layout.h"
+#include "ops/token_mask.h"
 #include "ops/packed_weight_layout.h"
 
 namespace pagedserve::ops {
@@ -401,7 +402,7 @@ void check_sample_tokens(Device device, const TensorView& out, const TensorView&
   if (allowed.data == nullptr) return;
   a.of("allowed", allowed, 2, DType::kInt32);
   a.size("allowed", allowed, 0, rows);
-  a.size("allowed", allowed, 1, (logits.size(1) + 31) / 32);
+  a.size("allowed", allowed, 1, token_mask_words(logits.size(1)));
 }
 
 }  // namespace pagedserve::ops

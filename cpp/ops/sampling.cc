@@ -8,6 +8,7 @@
 #include "ops/op_contracts.h"
 #include "ops/ops.h"
 #include "ops/parallel.h"
+#include "ops/token_mask.h"
 
 namespace pagedserve::ops {
 namespace {
@@ -19,10 +20,7 @@ constexpr float kMaxGumbel = 17.5f;
 // Token v's logit, or -inf where `allowed` (one row of the bitmask, or null) clears its bit.
 template <typename T>
 float masked_logit(const T* logits, const int32_t* allowed, int64_t v) {
-  if (allowed != nullptr && ((static_cast<uint32_t>(allowed[v / 32]) >> (v % 32)) & 1u) == 0) {
-    return -std::numeric_limits<float>::infinity();
-  }
-  return to_float(logits[v]);
+  return token_allowed(allowed, v) ? to_float(logits[v]) : -std::numeric_limits<float>::infinity();
 }
 
 template <typename T>
@@ -65,7 +63,7 @@ void sample_tokens(const TensorView& out, const TensorView& logits, const Tensor
                    const TensorView& allowed, uint64_t seed) {
   constexpr std::string_view op = "sample_tokens";
   check_sample_tokens(Device::kCPU, out, logits, inv_temperature, allowed);
-  const int64_t rows = logits.size(0), vocab = logits.size(1), words = (vocab + 31) / 32;
+  const int64_t rows = logits.size(0), vocab = logits.size(1), words = token_mask_words(vocab);
   const float* inv_t = inv_temperature.ptr<const float>();
   const int32_t* mask = allowed.data == nullptr ? nullptr : allowed.ptr<const int32_t>();
   int32_t* ids = out.ptr<int32_t>();
