@@ -13,6 +13,7 @@ from pagedserve.engine.engine import LLMEngine
 from pagedserve.engine.validation import EngineLimits, validate_request
 from pagedserve.errors import RequestError
 from pagedserve.sampling_params import DEFAULT_SAMPLING, SamplingParams
+from pagedserve.worker.prefill_warmup import prefill_warmup_sizes, warm_up_prefills, warmup_steps
 from pagedserve.worker.worst_case_step import worst_case_step
 
 PACKAGE = Path(__file__).resolve().parents[1] / "python" / "pagedserve"
@@ -168,6 +169,40 @@ def test_worst_case_step_is_a_valid_prefill_step():
 
 def test_worst_case_step_runs_through_the_runner_on_cpu(engine):
     engine.worker._run_worst_case_step(engine.config)  # the GPU profile's step, through StepInputs
+
+
+def test_prefill_warmup_covers_every_small_count_then_powers_of_two_within_every_limit():
+    dense = list(range(1, 65))
+    assert prefill_warmup_sizes(8192, 4096, 256, 10_000, 16) == dense + [128, 256, 512]
+    assert prefill_warmup_sizes(100, 4096, 256, 10_000, 16) == dense  # the token budget
+    assert prefill_warmup_sizes(8192, 40, 256, 10_000, 16) == list(range(1, 41))  # the model length
+    assert prefill_warmup_sizes(8192, 4096, 2, 3, 4) == list(range(1, 13))  # the KV cache's 3 blocks of 4
+    prompt, rows = warmup_steps(24, 64, 16, 99)  # a 24-token prompt; 24 one-token sequences
+    assert prompt.num_seqs == 1 and prompt.num_tokens == 24 and len(prompt.logits_indices) == 1
+    assert rows.num_seqs == 24 and rows.num_tokens == 24 and len(rows.logits_indices) == 24
+    assert [s.num_seqs for s in warmup_steps(300, 64, 16, 99)] == [1] and prompt.input_ids.max() < 99
+
+
+def test_a_prefill_warmup_leaves_the_engine_as_it_found_it(tiny_checkpoint):
+    """The GPU start-up's ladder, run here on a CPU engine's own runner and KV cache: every size runs, and
+    the requests after it get the tokens and logprobs of an engine that never ran it."""
+    _, path = tiny_checkpoint()
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2, ignore_eos=True)
+    outputs = []
+    for warm in (False, True):
+        engine = LLMEngine(model=str(path), device="cpu", num_kv_blocks=16, block_size=4, max_num_seqs=4)
+        if warm:
+            sizes = prefill_warmup_sizes(64, 64, 4, 16, 4)
+            assert sizes == list(range(1, 65))
+            assert warm_up_prefills(engine.worker.runner, sizes, 4, 4, 256) > 0
+        free = engine.stats()["num_free_blocks"]  # free or evictable
+        engine.add_request("a", [5, 6, 7, 8, 9], params)
+        engine.add_request("b", list(range(10, 30)), params)
+        finals = _run(engine)
+        outputs.append({rid: ([c.token_ids for c in out.outputs], [c.logprobs for c in out.outputs])
+                        for rid, out in finals.items()})
+        assert engine.stats()["num_free_blocks"] == free
+    assert outputs[0] == outputs[1]
 
 
 # ---------------------------------------------------------------------------- layout

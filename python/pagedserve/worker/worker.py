@@ -33,6 +33,7 @@ from pagedserve.worker.heap_trim import HeapTrimmer
 from pagedserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype
 from pagedserve.worker.memory_budget import KVPlan, kv_cache_budget_bytes, plan_kv_cache
 from pagedserve.worker.model_runner import ModelRunner
+from pagedserve.worker.prefill_warmup import prefill_warmup_sizes, warm_up_prefills
 from pagedserve.worker.step_inputs import StepInputs
 from pagedserve.worker.worst_case_step import worst_case_rows, worst_case_step
 
@@ -83,6 +84,11 @@ class Worker:
         self.runner = ModelRunner(self.model, kv_cache, self.sampler, inputs, graphs=graphs,
                                   torch_threads=1 if packed else None)
         self.runner.heap.trim()  # what loading and packing freed
+        if device.type == "cuda":  # through a sampler of its own: the engine's seeded streams stay untouched
+            warm_up_prefills(ModelRunner(self.model, kv_cache, Sampler(device, mc.vocab_size, eos_token_ids), inputs),
+                             prefill_warmup_sizes(config.max_num_batched_tokens, plan.max_model_len,
+                                                  config.max_num_seqs, plan.num_blocks, plan.block_size),
+                             config.max_num_seqs, plan.block_size, mc.vocab_size)
         logger.info("model %s on %s (%s): %d KV blocks of %d tokens (%.2f GiB, %s), max_model_len %d",
                     mc.model_dir.name if mc.model_dir else mc.architecture, device, mc.dtype, plan.num_blocks,
                     plan.block_size, kv_cache.numel() * kv_cache.element_size() / 2**30, plan.dtype,
