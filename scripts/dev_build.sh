@@ -13,3 +13,9 @@ cmake -S . -B "$BUILD" -G Ninja \
   -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" "$@" >/dev/null
 cmake --build "$BUILD" -j "$(nproc)"
 cp "$BUILD"/_core*.so python/pagedserve/
+# An editable install (pip install -e .) keeps its own copy of the extension in site-packages, which its
+# import hook serves even under PYTHONPATH=python: refresh that copy too, or tests run the old one.
+installed=$("$PY" -I -c "import pagedserve._core as c; print(c.__file__)" 2>/dev/null || true)
+case "$installed" in
+  */site-packages/pagedserve/_core*.so) cp "$BUILD"/_core*.so "$(dirname "$installed")/" ;;
+esac
