@@ -4,8 +4,8 @@
 #include <string>
 
 #include "ops/kv_cache_layout.h"
-#include "ops/token_mask.h"
 #include "ops/packed_weight_layout.h"
+#include "ops/token_mask.h"
 
 namespace pagedserve::ops {
 namespace {

@@ -55,9 +55,9 @@ def prefill_warmup_sizes(max_num_batched_tokens: int, max_model_len: int, max_nu
     largest = min(LARGEST_WARMUP_PREFILL, max_num_batched_tokens, max_model_len)
     counts = sorted(set(range(1, DENSE_WARMUP_TOKENS + 1)) | {2**i for i in range(largest.bit_length())})
 
-    def fits(n: int) -> bool:
+    def fits(n: int) -> bool:  # the blocks warmup_steps(n) lays out (its token ids do not matter here)
         return n <= largest and all(step.block_tables.size <= num_blocks
-                                    for step in warmup_steps(n, max_num_seqs, block_size, 2))
+                                    for step in warmup_steps(n, max_num_seqs, block_size, vocab_size=1))
     return [n for n in counts if fits(n)]
 
 
