@@ -29,6 +29,72 @@ void norm_cases(DType dt) {
   }
 }
 
+int last_pow2(int n) {
+  int p = 1;
+  while (2 * p <= n) p *= 2;
+  return p;
+}
+
+// What transformers' LlamaRMSNorm computes on a CUDA [rows, hidden] tensor, as a plain loop: the mean of
+// squares added in the order of torch's block reduction (its ReduceConfig for a contiguous last dim:
+// `width` threads a row, four lane sums each, a shared-memory halving to 32, then a shuffle-down tree;
+// bench/numerics/norm_numerics.py found this order on an H200), rsqrt, the normalized value rounded to
+// the dtype before the weight multiply. The kernels must give these bytes exactly.
+Tensor torch_order_norm(Tensor& x, Tensor& weight, int rows, int hidden, float eps) {
+  const int dim0 = hidden / 4;
+  const int dim0_pow2 = dim0 < 512 ? last_pow2(dim0) : 512;
+  const int dim1_pow2 = rows < 512 ? last_pow2(rows) : 512;
+  const int height = std::min(dim1_pow2, 512 / std::min(dim0_pow2, 32));
+  const int width = std::min(dim0_pow2, 512 / height);
+  const float inv_hidden = float(rows) / float(int64_t(rows) * hidden);
+  Tensor out(x.dtype, {rows, hidden});
+  for (int r = 0; r < rows; ++r) {
+    const int64_t base = int64_t(r) * hidden;
+    std::vector<float> partial(size_t(width), 0.f);
+    for (int t = 0; t < width; ++t) {
+      float lanes[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int v = t; 4 * v + 3 < hidden; v += width) {
+        for (int e = 0; e < 4; ++e) lanes[e] += x.get(base + 4 * v + e) * x.get(base + 4 * v + e);
+      }
+      partial[size_t(t)] = ((lanes[0] + lanes[1]) + lanes[2]) + lanes[3];
+    }
+    for (int offset = width / 2; offset >= 32; offset /= 2) {
+      for (int t = 0; t < offset; ++t) partial[size_t(t)] += partial[size_t(t + offset)];
+    }
+    for (int offset = 16; offset > 0; offset /= 2) {  // shuffle-down: lane t reads lane t + offset's old value
+      for (int t = 0; t + offset < 32; ++t) partial[size_t(t)] += partial[size_t(t + offset)];
+    }
+    const float inv_rms = rsqrtf(partial[0] * inv_hidden + eps);
+    Tensor normalized(x.dtype, {1});
+    for (int i = 0; i < hidden; ++i) {
+      normalized.set(0, x.get(base + i) * inv_rms);
+      out.set(base + i, normalized.get(0) * weight.get(i));
+    }
+  }
+  return out;
+}
+
+// rms_norm and fused_add_rms_norm against the loop above, byte for byte, at every torch width (512 at
+// 1 row of 2048 down to 32 from 16 rows), a width-32 row of 34 vectors, past 512 rows and 4096 wide.
+void torch_order_norm_cases(DType dt) {
+  for (auto [rows, hidden] : std::vector<std::pair<int, int>>{{1, 2048}, {2, 2048}, {4, 2048}, {8, 2048}, {16, 2048},
+                                                              {64, 2048}, {1, 576}, {3, 576}, {16, 576}, {64, 576},
+                                                              {12, 1024}, {5, 136}, {601, 576}, {3, 4096}}) {
+    const std::string shape = std::string(name(dt)) + " " + std::to_string(rows) + "x" + std::to_string(hidden);
+    const float eps = 1e-5f;
+    Tensor x = Tensor(dt, {rows, hidden}).randomize(3), weight = Tensor(dt, {hidden}).randomize();
+    Tensor out = Tensor(dt, {rows, hidden}).poison();
+    gpu::rms_norm(out.gpu(), x.gpu(), weight.gpu(), eps, false, nullptr);
+    report("rms_norm in torch's order " + shape, out.same_bytes(torch_order_norm(x, weight, rows, hidden, eps)));
+
+    Tensor residual = Tensor(dt, {rows, hidden}).randomize(3), sum(dt, {rows, hidden});
+    for (int64_t i = 0; i < sum.numel(); ++i) sum.set(i, x.get(i) + residual.get(i));
+    gpu::fused_add_rms_norm(x.gpu(), residual.gpu(), weight.gpu(), eps, false, nullptr);
+    report("fused_add_rms_norm in torch's order " + shape,
+           residual.same_bytes(sum) && x.same_bytes(torch_order_norm(sum, weight, rows, hidden, eps)));
+  }
+}
+
 void rotary_cases(DType dt) {
   for (auto [tokens, hq, hkv, head_dim, rotary_dim] :
        std::vector<std::array<int, 5>>{{3, 8, 2, 128, 128}, {5, 4, 4, 128, 64}, {4, 6, 2, 80, 40}, {2, 2, 1, 64, 64}}) {
@@ -128,6 +194,7 @@ void cache_cases(DType dt) {
 void elementwise_cases() {
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     norm_cases(dt);
+    torch_order_norm_cases(dt);
     rotary_cases(dt);
     qkv_rope_cache_cases(dt);
     activation_cases(dt);
