@@ -127,3 +127,34 @@ def test_llguidance_matcher_fills_xgrammar_layout(llm):
     refused = grammars._llguidance_backend().compile(spec).new_matcher()
     assert not refused.accept_token(engine.tokenizer.encode("maybe", add_special_tokens=False)[0])
     assert refused.is_terminated()  # a refused token ends it: the engine ends the sample
+
+
+LAYOUT_SCHEMA = {"type": "object", "properties": {
+    "a": {"type": "array", "items": {"type": "integer"}},
+    "properties": {"type": "object", "properties": {"b": {"type": "boolean"}}},  # a property named so
+    "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}}, "required": ["a"]}
+LAYOUT_TEXTS = ['{"a": [1, 2]}', '{"a":[1,2]}', '{ "a" : [ 1 , 2 ] }', '{\n  "a": [\n    1\n  ]\n}',
+                '{"a":' + " " * 24 + '[1]}', '{"a":' + " " * 25 + '[1]}', '{"a":\n\n\n' + " " * 22 + "[1]}",
+                '{"a": [1], "extra": 2}', '{"a": [1], "properties": {"b": true}}',
+                '{"a": [1], "properties": {"b": true, "c": 1}}', '{"a": [1], "pair": [1, "x"]}',
+                '{"a": [1], "pair": [1, "x", 3]}']
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_llguidance_json_is_laid_out_as_xgrammar_lays_it_out(llm, compact):
+    """Where llguidance stands in for xgrammar on a JSON schema, it takes the texts xgrammar takes: whitespace
+    runs bounded as MAX_WHITESPACE_RUN bounds them (a small model cannot loop on newlines), xgrammar's compact
+    separators, and strict mode's closed objects and tuples (a property named "properties" included)."""
+    engine = llm.llm_engine
+    grammars = engine.grammars
+    spec = StructuredOutputsParams(json=LAYOUT_SCHEMA, disable_any_whitespace=compact)
+    verdicts = []
+    for text in LAYOUT_TEXTS:
+        tokens = engine.tokenizer.encode(text, add_special_tokens=False) + [engine.eos_token_ids[0]]
+        pair = []
+        for backend in (grammars._xgrammar_backend(), grammars._llguidance_backend()):
+            matcher = backend.compile(spec).new_matcher()
+            pair.append(all(matcher.accept_token(t) for t in tokens))
+        assert pair[0] == pair[1], (text, pair)
+        verdicts.append(pair[0])
+    assert True in verdicts and False in verdicts  # each layout has texts it takes and texts it refuses

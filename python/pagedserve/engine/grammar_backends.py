@@ -63,6 +63,7 @@ def json_schema_text(spec: StructuredOutputsParams) -> str:
 # 2018635749668888888... at temperature 0.3). llama.cpp caps digits the same way (16).
 SAFE_INTEGER = 2**53 - 1
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
 def bounded_numbers(schema):
@@ -149,11 +150,9 @@ class LLGuidanceBackend:
     def _grammar(spec: StructuredOutputsParams) -> str:
         import llguidance
 
-        if spec.kind == "json":
-            # Free whitespace between tokens only where the spec allows it, as xgrammar's any_whitespace.
-            flexible = not spec.disable_any_whitespace
-            return llguidance.LLMatcher.grammar_from_json_schema(
-                json_schema_text(spec), overrides={"whitespace_flexible": flexible})
+        if spec.kind == "json":  # the JSON that xgrammar's settings (XgrammarBackend._compile) allow
+            schema = json.dumps(strict_schema(json.loads(json_schema_text(spec))))
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_llguidance_json_options(spec))
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
         if spec.kind == "grammar":
@@ -161,6 +160,38 @@ class LLGuidanceBackend:
         if spec.kind == "structural_tag":
             return _llguidance_structural_tag(spec.structural_tag)
         raise ValueError(f"llguidance is not used for {spec.kind}")
+
+
+def _llguidance_json_options(spec: StructuredOutputsParams) -> dict:
+    """llguidance's JSON layout as xgrammar writes it: whitespace runs of at most MAX_WHITESPACE_RUN between
+    tokens (llguidance's own default is unbounded: the newline loops of small models), or, without free
+    whitespace, xgrammar's compact separators ", " and ": " (llguidance's are "," and ":")."""
+    if spec.disable_any_whitespace:
+        return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return {"whitespace_flexible": True, "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE_RUN}}}"}
+
+
+def strict_schema(schema):
+    """A copy of `schema` closed as xgrammar's strict mode closes it: a subschema with properties and nothing
+    said of additional, unevaluated or pattern properties gets additionalProperties false; one with
+    prefixItems and no items gets items false. Values under const/enum/default/examples are data."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> subschema (a property may be "properties")
+            out[key] = {name: strict_schema(sub) for name, sub in value.items()}
+        else:
+            out[key] = strict_schema(value)
+    if "properties" in out and not {"additionalProperties", "unevaluatedProperties", "patternProperties"} & out.keys():
+        out["additionalProperties"] = False
+    if "prefixItems" in out and not {"items", "unevaluatedItems"} & out.keys():
+        out["items"] = False
+    return out
 
 
 def _llguidance_structural_tag(tag: dict) -> str:
