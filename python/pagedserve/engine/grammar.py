@@ -12,10 +12,12 @@ Each sample of such a request keeps its own matcher, advanced with every token t
 under the shared initial state and each sample's matcher, created with the request, accepts its own
 token. Preemption by recompute keeps a sequence's tokens, so its matcher needs nothing.
 
-Each step, `fill_bitmask` writes the next-token mask of the rows that have a matcher into a host int32
-bitmask ([max rows, ceil(vocab / 32)], one layout for both backends), and the sampler applies it to
-the logits (on their device) before any sampling parameter. The stop tokens are allowed only where the
-grammar accepts, so EOS ends a sequence only on a complete output.
+Each step, `step` hands the sampler the rows that have a matcher (engine/grammar_step.py). Their
+next-token masks are written into a host int32 bitmask ([max rows, ceil(vocab / 32)], one layout for both
+backends) and applied to the logits (on their device) before any sampling parameter: for every row, or,
+where masks are dear and the sampler draws each row alone, only for the rows whose unmasked draw the
+grammar refuses. The stop tokens are allowed only where the grammar accepts, so EOS ends a sequence only on
+a complete output.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from pagedserve.engine.grammar_backends import CompiledGrammar, LLGuidanceBackend, XgrammarBackend
+from pagedserve.engine.grammar_step import CHECK_FIRST_SECONDS, CheckFirstPolicy, GrammarStats, GrammarStep
 from pagedserve.errors import RequestError
 from pagedserve.sample.grammar_mask import GrammarMask
 from pagedserve.sampling_params import StructuredOutputsParams
@@ -55,7 +58,9 @@ class Grammars:
     ones), gives each sample its matcher, advances it, and fills the step's token masks."""
 
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: Sequence[int], max_rows: int,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, check_first_seconds: float = CHECK_FIRST_SECONDS):
+        """check_first_seconds: the host time a step's masks may cost before rows that sample plainly check
+        their draws first (engine/grammar_step.py's CheckFirstPolicy; 0: always check)."""
         self._model_dir = Path(model_dir)
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
@@ -68,7 +73,8 @@ class Grammars:
         self._bitmask: Optional[torch.Tensor] = None
         self._batch_filler = None  # xgrammar's BatchGrammarMatcher, made on first use
         self._ended: list[tuple[object, object]] = []  # (request, sample) whose grammar terminated
-        self.mask_seconds = 0.0  # host time spent filling masks
+        self.stats = GrammarStats()
+        self.policy = CheckFirstPolicy(check_first_seconds)  # whether a step checks draws before masking
 
     def _hf_tokenizer(self):
         """The model's HF tokenizer, loaded once for both backends."""
@@ -154,8 +160,14 @@ class Grammars:
             sample.ending = ("stop", None)
         return ended
 
-    def fill_bitmask(self, matchers: list[tuple[int, object]]) -> Optional[GrammarMask]:
-        """The mask for these (logits row, matcher) pairs; None when none needs one."""
+    def step(self, matchers: list[tuple[int, object]]) -> Optional[GrammarStep]:
+        """The grammars of a step's (logits row, matcher) pairs for the sampler; None when there are none."""
+        if not matchers:
+            return None
+        return GrammarStep(self.fill, matchers, self.stats, self.policy)
+
+    def fill(self, matchers: list[tuple[int, object]]) -> Optional[GrammarMask]:
+        """The mask of these (logits row, matcher) pairs; None when none needs one (all terminated)."""
         start = time.perf_counter()
         if self._bitmask is None:
             words = (self.vocab_size + 31) // 32
@@ -177,7 +189,8 @@ class Grammars:
             if self._batch_filler is None:
                 self._batch_filler = xgr.BatchGrammarMatcher(max_threads=min(os.cpu_count() or 1, _FILL_THREADS))
             self._batch_filler.batch_fill_next_token_bitmask(batch, self._bitmask, batch_rows)
-        self.mask_seconds += time.perf_counter() - start
+        self.stats.mask_seconds += time.perf_counter() - start
+        self.stats.rows_filled += len(rows)
         return GrammarMask(self._bitmask, rows) if rows else None
 
 

@@ -8,6 +8,8 @@ sampling parameters."""
 
 from __future__ import annotations
 
+from typing import Optional, Protocol, Sequence
+
 import torch
 
 
@@ -29,6 +31,19 @@ class GrammarMask:
                 if row not in constrained:
                     bitmask[row] = -1
         return bitmask if device.type == "cpu" else bitmask.to(device, non_blocking=True)
+
+
+class MaskSource(Protocol):
+    """A step's grammars, asked for masks only as needed (engine.grammar_step.GrammarStep): the sampler's
+    `grammar` argument where it may check its draws before masking."""
+
+    check_first: bool  # whether checking draws before masking is expected to pay
+
+    def mask(self, rows: Optional[Sequence[int]] = None) -> Optional[GrammarMask]:
+        """The mask of every constrained row, or of those among `rows`; None when none needs one."""
+
+    def refused(self, token_ids: Sequence[int]) -> list[int]:
+        """The rows whose drawn token (token_ids[row]) their grammar would not accept."""
 
 
 def apply_mask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from pagedserve import ops
+from pagedserve.sample.grammar_mask import GrammarMask, apply_mask
 from pagedserve.sample.sampling_ops import (apply_logits_processors, apply_min_p_, apply_min_tokens,
                                             apply_penalties, apply_top_k_top_p_, exponential_race)
 from pagedserve.sampling_params import SamplingParams
@@ -119,17 +120,19 @@ class Sampler:
 
     def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow], grammar=None) -> "PendingSamples":
         """Queues the sampling on the logits' device; result() waits for the ids on the host.
-        `grammar` (sample.grammar_mask.GrammarMask, optional): the structured-output token bitmask,
-        applied before any sampling parameter (on a copy: the caller's logits stay unmodified)."""
+        `grammar` (optional): the structured-output token bitmask, applied before any sampling parameter
+        (on a copy: the caller's logits stay unmodified), as a filled sample.grammar_mask.GrammarMask or a
+        MaskSource to fill it from (where every row samples plainly and the source says checking pays,
+        only the rows whose unmasked draw it refuses get a mask: _launch_gumbel_max)."""
         self._check_inputs(logits, rows)
         logits = logits[:, :self.vocab_size]
         if not rows:
             return PendingSamples.ready(SamplerOutput(token_ids=[], logprobs=None))
         if self._is_plain_temperature(rows):  # a grammar's mask goes into the same pass
             return self._launch_gumbel_max(logits, rows, grammar)
+        if grammar is not None and not isinstance(grammar, GrammarMask):
+            grammar = grammar.mask()
         if grammar is not None:
-            from pagedserve.sample.grammar_mask import apply_mask
-
             logits = apply_mask(logits, grammar)
         batch = build_sampling_batch(rows, self.vocab_size, self.eos_token_ids, self.device)
         logits = logits.float()
@@ -186,14 +189,37 @@ class Sampler:
         """Temperature sampling (greedy rows included) in one pass over the logits, which may stay
         in the model's dtype: Gumbel-max with noise hashed from a per-step seed. A grammar's mask is
         read by the same pass (no masked float32 copy of the logits, no second kernel: on an H200 host
-        those were ~0.25 ms a step of a JSON-constrained batch, bench/results/h200/session11.md)."""
+        those were ~0.25 ms a step of a JSON-constrained batch, bench/results/h200/session11.md).
+
+        Given a MaskSource rather than a mask, the pass runs unmasked, and the rows whose token the
+        grammar refuses run it again under their masks with the same seed. Exact: a row's noise depends
+        on (seed, row, token) only, so an accepted token beat every other token, the allowed ones
+        included, and is what the masked pass draws too (ties go to the lowest id in both)."""
         inv_t = torch.tensor([0.0 if row.params.greedy else 1.0 / row.params.temperature for row in rows],
-                             dtype=torch.float32)
-        out = torch.empty(len(rows), dtype=torch.int32, device=logits.device)
-        allowed = None if grammar is None else grammar.allowed(len(rows), logits.device)
-        ops.sample_tokens(out, logits.contiguous(), inv_t.to(logits.device, non_blocking=True),
-                          self._step_seeds.getrandbits(64), allowed)
-        return PendingSamples.copy(out, lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None))
+                             dtype=torch.float32).to(logits.device, non_blocking=True)
+        logits, seed = logits.contiguous(), self._step_seeds.getrandbits(64)
+
+        def draw(mask: Optional[GrammarMask]) -> torch.Tensor:
+            out = torch.empty(len(rows), dtype=torch.int32, device=logits.device)
+            allowed = None if mask is None else mask.allowed(len(rows), logits.device)
+            ops.sample_tokens(out, logits, inv_t, seed, allowed)
+            return out
+
+        if grammar is not None and not isinstance(grammar, GrammarMask) and not grammar.check_first:
+            grammar = grammar.mask()
+        if grammar is None or isinstance(grammar, GrammarMask):
+            return PendingSamples.copy(draw(grammar), lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None))
+
+        def checked(host: np.ndarray) -> SamplerOutput:
+            token_ids = host.tolist()
+            refused = grammar.refused(token_ids)
+            mask = grammar.mask(refused) if refused else None
+            if mask is not None:  # the other rows draw their accepted tokens again
+                with torch.inference_mode():  # result() may be called outside it; the buffers were made in it
+                    token_ids = draw(mask).cpu().tolist()
+            return SamplerOutput(token_ids=token_ids, logprobs=None)
+
+        return PendingSamples.copy(draw(None), checked)
 
     def _is_plain_temperature(self, rows: Sequence[SamplingRow]) -> bool:
         """True when every row is one unseeded (or greedy) draw from softmax(logits / T):

@@ -42,8 +42,8 @@ class ModelRunner:
     def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> Optional[PendingSamples]:
         """Queues `step` (a _core.StepOutput, or any object with its fields) and the sampling of
         `rows` (one SamplingRow per sample row, or a callable returning them) on the device; the result
-        arrives with PendingSamples.result(). `grammar`: the sampler's token mask, or a callable returning
-        it. Callables are called once the forward is queued, rows first.
+        arrives with PendingSamples.result(). `grammar`: the sampler's token mask or mask source (see
+        Sampler.launch), or a callable returning it. Callables are called once the forward is queued, rows first.
         `prompt_plan` (sample.prompt_logprobs.PromptLogprobsPlan, prefill steps only): the prompt
         logprobs to compute too; they arrive with the result's `prompt_logprobs.result()`.
         A tensor-parallel rank other than the driver runs the same model calls (and so the same
@@ -58,7 +58,7 @@ class ModelRunner:
                 return None
             if callable(rows):  # made on the host while the device runs the forward
                 rows = rows()
-            if callable(grammar):  # the structured-output mask: filled on the host while the device runs the forward
+            if callable(grammar):  # the structured-output grammars: made on the host while the device runs the forward
                 grammar = grammar()
             pending = self.sampler.launch(logits, rows, grammar)
             pending.prompt_logprobs = prompt_pending
