@@ -158,3 +158,32 @@ def test_llguidance_json_is_laid_out_as_xgrammar_lays_it_out(llm, compact):
         assert pair[0] == pair[1], (text, pair)
         verdicts.append(pair[0])
     assert True in verdicts and False in verdicts  # each layout has texts it takes and texts it refuses
+
+
+def test_llguidance_is_not_used_where_it_misreads_the_tokenizer(default_model_path, tmp_path):
+    """The default model's tokenizer as transformers 5.17 writes it from the GGUF file (a byte-level BPE
+    whose decoder is a Sequence): llguidance would read "Ġ" as itself rather than a space and refuse valid
+    JSON. It is not used there: what only llguidance could compile is a 400 saying why; xgrammar still
+    serves the rest."""
+    import shutil
+
+    for f in default_model_path.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "config.json":
+            shutil.copy(f, tmp_path / f.name)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "Sequence", "decoders": [
+        {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
+    spec["model"]["byte_fallback"] = True
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    from transformers import AutoTokenizer
+
+    from pagedserve.engine.grammar import Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    grammars = Grammars(tmp_path, len(tokenizer), [tokenizer.eos_token_id], max_rows=4)
+    with pytest.raises(RequestError, match="llguidance reads this tokenizer differently from transformers"):
+        grammars.compile(StructuredOutputsParams(regex=UNICODE_REGEX))
+    assert grammars.compile(StructuredOutputsParams(json=PLAIN_SCHEMA)).backend == "xgrammar"
+    with pytest.raises(RequestError, match="llguidance reads this tokenizer differently"):  # the finding is kept
+        grammars.compile(StructuredOutputsParams(json=FALLBACK_SCHEMA))

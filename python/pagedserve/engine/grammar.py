@@ -68,7 +68,7 @@ class Grammars:
         self._pin = pin_memory
         self._tokenizer = None
         self._xgrammar: Optional[XgrammarBackend] = None
-        self._llguidance: Optional[LLGuidanceBackend] = None
+        self._llguidance: Optional[LLGuidanceBackend | str] = None  # or why llguidance cannot be used
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._bitmask: Optional[torch.Tensor] = None
         self._batch_filler = None  # xgrammar's BatchGrammarMatcher, made on first use
@@ -90,8 +90,14 @@ class Grammars:
         return self._xgrammar
 
     def _llguidance_backend(self) -> LLGuidanceBackend:
+        """llguidance for this tokenizer; ValueError (each time) where it cannot read the tokenizer."""
         if self._llguidance is None:
-            self._llguidance = LLGuidanceBackend(self._hf_tokenizer(), self.vocab_size, self._eos)
+            try:
+                self._llguidance = LLGuidanceBackend(self._hf_tokenizer(), self.vocab_size, self._eos)
+            except ValueError as err:
+                self._llguidance = str(err)
+        if isinstance(self._llguidance, str):
+            raise ValueError(self._llguidance)
         return self._llguidance
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:

@@ -138,6 +138,7 @@ class LLGuidanceBackend:
 
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                        eos_token=list(eos_token_ids) or None)
+        _check_reads_alike(tokenizer, self._tokenizer)
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """ValueError (llguidance's message) when llguidance cannot compile the spec."""
@@ -162,6 +163,22 @@ class LLGuidanceBackend:
         if spec.kind == "structural_tag":
             return _llguidance_structural_tag(spec.structural_tag)
         raise ValueError(f"llguidance is not used for {spec.kind}")
+
+
+_PROBE = '{"name": "Zoë", "n": [1, 2]}\n\t- ok'
+
+
+def _check_reads_alike(hf_tokenizer, ll_tokenizer) -> None:
+    """ValueError unless llguidance reads the tokens of a probe text as transformers does. It guesses how
+    tokens map to bytes from tokenizer.json's decoder: a byte-level BPE tokenizer whose decoder is a
+    Sequence (as transformers 5.17 writes one converted from a GGUF file) it reads as SentencePiece, so "Ġ"
+    stays "Ġ" where a space was meant and its masks refuse valid JSON."""
+    ids = hf_tokenizer.encode(_PROBE, add_special_tokens=False)
+    expected = hf_tokenizer.decode(ids, clean_up_tokenization_spaces=False).encode("utf-8")
+    got = bytes(ll_tokenizer.decode_bytes(ids))
+    if got.strip() != expected.strip():
+        raise ValueError(f"llguidance reads this tokenizer differently from transformers ({expected!r} as {got!r}); "
+                         f"it is not used")
 
 
 def _llguidance_json_options(spec: StructuredOutputsParams) -> dict:
