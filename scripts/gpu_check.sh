@@ -85,7 +85,8 @@ for stage in "${STAGES[@]}"; do
       run_stage families python3 -m pytest tests_py/test_gpu_families.py -q -p no:cacheprovider ;;
     structured)  # grammar masks on the device, tools and structured outputs through the server on the GPU
       run_stage structured_tests python3 -m pytest tests_py/test_gpu_structured.py tests_py/test_server_tools.py \
-        tests_py/test_server_structured.py tests_py/test_prompt_logprobs.py -q -p no:cacheprovider
+        tests_py/test_server_structured.py tests_py/test_prompt_logprobs.py tests_py/test_grammar_checked_sampling.py \
+        -q -p no:cacheprovider
       run_stage structured_bench python3 bench/perf/structured_bench.py --device cuda --num-requests 64 --out "$RUN" ;;
     agreement)
       run_stage bf16_agreement python3 bench/numerics/bf16_agreement.py --out "$RUN" ;;
