@@ -172,7 +172,8 @@ def test_llguidance_is_not_used_where_it_misreads_the_tokenizer(default_model_pa
             shutil.copy(f, tmp_path / f.name)
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
     spec["decoder"] = {"type": "Sequence", "decoders": [
-        {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"}, {"type": "Fuse"},
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
         {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}]}
     spec["model"]["byte_fallback"] = True
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))

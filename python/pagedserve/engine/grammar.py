@@ -15,8 +15,8 @@ token. Preemption by recompute keeps a sequence's tokens, so its matcher needs n
 Each step, `step` hands the sampler the rows that have a matcher (engine/grammar_step.py). Their
 next-token masks are written into a host int32 bitmask ([max rows, ceil(vocab / 32)], one layout for both
 backends) and applied to the logits (on their device) before any sampling parameter: for every row, or,
-where masks are dear and the sampler draws each row alone, only for the rows whose unmasked draw the
-grammar refuses. The stop tokens are allowed only where the grammar accepts, so EOS ends a sequence only on
+where the sampler draws each row alone and checking pays (masks dear, or draws rarely refused), only for
+the rows whose unmasked draw the grammar refuses. The stop tokens are allowed only where the grammar accepts, so EOS ends a sequence only on
 a complete output.
 """
 

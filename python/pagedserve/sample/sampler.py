@@ -208,7 +208,8 @@ class Sampler:
         if grammar is not None and not isinstance(grammar, GrammarMask) and not grammar.check_first:
             grammar = grammar.mask()
         if grammar is None or isinstance(grammar, GrammarMask):
-            return PendingSamples.copy(draw(grammar), lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None))
+            return PendingSamples.copy(draw(grammar),
+                                       lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None))
 
         def checked(host: np.ndarray) -> SamplerOutput:
             token_ids = host.tolist()
