@@ -68,20 +68,38 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def bounded_numbers(schema):
-    """A copy of `schema` where every number or integer subschema without a lower (upper) bound gets
-    -SAFE_INTEGER (SAFE_INTEGER); values under const/enum/default/examples are data and stay as they are."""
+def map_subschemas(schema, visit):
+    """A copy of `schema` with `visit` applied to each subschema (a dict), innermost first. Values under
+    const/enum/default/examples are data and stay as they are; under properties, $defs and the like, the
+    names are names (a property may be called "properties" or "type")."""
     if isinstance(schema, list):
-        return [bounded_numbers(s) for s in schema]
+        return [map_subschemas(s, visit) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: v if k in _DATA_KEYWORDS else bounded_numbers(v) for k, v in schema.items()}
-    if out.get("type") in ("integer", "number"):
-        if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = -SAFE_INTEGER
-        if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = SAFE_INTEGER
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: map_subschemas(sub, visit) for name, sub in value.items()}
+        else:
+            out[key] = map_subschemas(value, visit)
+    visit(out)
     return out
+
+
+def bounded_numbers(schema):
+    """A copy of `schema` where every number or integer subschema without a lower (upper) bound gets
+    -SAFE_INTEGER (SAFE_INTEGER)."""
+    return map_subschemas(schema, _bound_number)
+
+
+def _bound_number(subschema: dict) -> None:
+    if subschema.get("type") in ("integer", "number"):
+        if "minimum" not in subschema and "exclusiveMinimum" not in subschema:
+            subschema["minimum"] = -SAFE_INTEGER
+        if "maximum" not in subschema and "exclusiveMaximum" not in subschema:
+            subschema["maximum"] = SAFE_INTEGER
 
 
 class XgrammarBackend:
@@ -193,24 +211,16 @@ def _llguidance_json_options(spec: StructuredOutputsParams) -> dict:
 def strict_schema(schema):
     """A copy of `schema` closed as xgrammar's strict mode closes it: a subschema with properties and nothing
     said of additional, unevaluated or pattern properties gets additionalProperties false; one with
-    prefixItems and no items gets items false. Values under const/enum/default/examples are data."""
-    if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # name -> subschema (a property may be "properties")
-            out[key] = {name: strict_schema(sub) for name, sub in value.items()}
-        else:
-            out[key] = strict_schema(value)
-    if "properties" in out and not {"additionalProperties", "unevaluatedProperties", "patternProperties"} & out.keys():
-        out["additionalProperties"] = False
-    if "prefixItems" in out and not {"items", "unevaluatedItems"} & out.keys():
-        out["items"] = False
-    return out
+    prefixItems and no items gets items false."""
+    return map_subschemas(schema, _close)
+
+
+def _close(subschema: dict) -> None:
+    if "properties" in subschema and not {"additionalProperties", "unevaluatedProperties",
+                                          "patternProperties"} & subschema.keys():
+        subschema["additionalProperties"] = False
+    if "prefixItems" in subschema and not {"items", "unevaluatedItems"} & subschema.keys():
+        subschema["items"] = False
 
 
 def _llguidance_structural_tag(tag: dict) -> str:

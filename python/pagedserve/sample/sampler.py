@@ -128,10 +128,11 @@ class Sampler:
         logits = logits[:, :self.vocab_size]
         if not rows:
             return PendingSamples.ready(SamplerOutput(token_ids=[], logprobs=None))
-        if self._is_plain_temperature(rows):  # a grammar's mask goes into the same pass
+        plain = self._is_plain_temperature(rows)
+        if grammar is not None and not isinstance(grammar, GrammarMask) and not (plain and grammar.check_first):
+            grammar = grammar.mask()  # every constrained row's mask, now
+        if plain:  # a grammar's mask goes into the same pass
             return self._launch_gumbel_max(logits, rows, grammar)
-        if grammar is not None and not isinstance(grammar, GrammarMask):
-            grammar = grammar.mask()
         if grammar is not None:
             logits = apply_mask(logits, grammar)
         batch = build_sampling_batch(rows, self.vocab_size, self.eos_token_ids, self.device)
@@ -191,10 +192,11 @@ class Sampler:
         read by the same pass (no masked float32 copy of the logits, no second kernel: on an H200 host
         those were ~0.25 ms a step of a JSON-constrained batch, bench/results/h200/session11.md).
 
-        Given a MaskSource rather than a mask, the pass runs unmasked, and the rows whose token the
-        grammar refuses run it again under their masks with the same seed. Exact: a row's noise depends
-        on (seed, row, token) only, so an accepted token beat every other token, the allowed ones
-        included, and is what the masked pass draws too (ties go to the lowest id in both)."""
+        Given a MaskSource (launch passes one only where checking pays), the pass runs unmasked, and
+        the rows whose token the grammar refuses run it again under their masks with the same seed.
+        Exact: a row's noise depends on (seed, row, token) only, so an accepted token beat every other
+        token, the allowed ones included, and is what the masked pass draws too (ties go to the lowest
+        id in both)."""
         inv_t = torch.tensor([0.0 if row.params.greedy else 1.0 / row.params.temperature for row in rows],
                              dtype=torch.float32).to(logits.device, non_blocking=True)
         logits, seed = logits.contiguous(), self._step_seeds.getrandbits(64)
@@ -205,8 +207,6 @@ class Sampler:
             ops.sample_tokens(out, logits, inv_t, seed, allowed)
             return out
 
-        if grammar is not None and not isinstance(grammar, GrammarMask) and not grammar.check_first:
-            grammar = grammar.mask()
         if grammar is None or isinstance(grammar, GrammarMask):
             return PendingSamples.copy(draw(grammar),
                                        lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None))
