@@ -23,6 +23,7 @@
 #include <cstddef>
 
 #include "ops/attention_options.h"
+#include "ops/qk_norm.h"
 #include "ops/tensor_view.h"
 
 namespace pagedserve::cuda {
@@ -95,10 +96,11 @@ void grouped_linear(const TensorView& out, const TensorView& x, const TensorView
 // ops::qkv_rope_cache): the rotated queries into query_out [T, Hq, D], the
 // rotated keys and the values into their cache slots. Positions outside the
 // table leave q and k unrotated; a negative slot or one past the cache skips
-// the token's KV write.
+// the token's KV write. A QkNorm needs rope over whole heads, head_dim <= 128
+// and 16-byte aligned tensors (it sums each head as rms_norm sums a row).
 void qkv_rope_cache(const TensorView& query_out, const TensorView& qkv, const TensorView& positions,
                     const TensorView& cos_sin, const TensorView& key_cache, const TensorView& value_cache,
-                    const TensorView& slot_mapping, cudaStream_t stream);
+                    const TensorView& slot_mapping, const ops::QkNorm& norm, cudaStream_t stream);
 
 // qkv_rope_cache of the product x W^T (+ bias) of 1..4 rows, in one kernel
 // without storing the product (semantics: ops::qkv_linear_rope_cache); x and

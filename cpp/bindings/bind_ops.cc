@@ -84,6 +84,14 @@ void qkv_linear_rope_cache(const TensorView& query_out, const TensorView& x, con
                              value_cache, slot_mapping);
 }
 
+void qkv_rope_cache(const TensorView& query_out, const TensorView& qkv, const TensorView& positions,
+                    const TensorView& cos_sin, const TensorView& key_cache, const TensorView& value_cache,
+                    const TensorView& slot_mapping, const std::optional<TensorView>& q_norm,
+                    const std::optional<TensorView>& k_norm, float eps, HostStream) {
+  ops::qkv_rope_cache(query_out, qkv, positions, cos_sin, key_cache, value_cache, slot_mapping,
+                      {q_norm.value_or(TensorView{}), k_norm.value_or(TensorView{}), eps});
+}
+
 void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
                    const std::optional<TensorView>& allowed, uint64_t seed, HostStream) {
   ops::sample_tokens(out, logits, inv_temperature, allowed.value_or(TensorView{}), seed);
@@ -132,10 +140,12 @@ void bind_ops(py::module_& m) {
                    "Mixture-of-experts products: out[r] = x[r] weight[e]^T for the rows [expert_offsets[e], "
                    "expert_offsets[e + 1]) of each expert e (cpp/ops/grouped_linear.h).",
                    py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("expert_offsets"), stream);
-  def_op<kRelease>(m, "qkv_rope_cache", &OnHost<&ops::qkv_rope_cache>::call,
-                   "query_out = rotated q columns of qkv; rotated k and v written into their cache slots (one pass).",
+  def_op<kRelease>(m, "qkv_rope_cache", &qkv_rope_cache,
+                   "query_out = rotated q columns of qkv; rotated k and v written into their cache slots (one pass); "
+                   "q_norm / k_norm (or None): rms_norm of each q / k head first.",
                    py::arg("query_out"), py::arg("qkv"), py::arg("positions"), py::arg("cos_sin_cache"), py::arg("key_cache"),
-                   py::arg("value_cache"), py::arg("slot_mapping"), stream);
+                   py::arg("value_cache"), py::arg("slot_mapping"), py::arg("q_norm").none(true) = py::none(),
+                   py::arg("k_norm").none(true) = py::none(), py::arg("eps") = 0.0f, stream);
   def_op<kRelease>(m, "small_batch_linear", &small_batch_linear,
                    "out = x weight^T (+ bias) for 1..8 rows; gated: weight = [gate; up], out = silu(gate) * up.",
                    py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),

@@ -349,11 +349,20 @@ void small_batch_operands(Args& a, const TensorView& x, const TensorView& weight
 
 void check_qkv_rope_cache(Device device, const TensorView& query_out, const TensorView& qkv,
                           const TensorView& positions, const TensorView& cos_sin, const TensorView& key_cache,
-                          const TensorView& value_cache, const TensorView& slot_mapping) {
+                          const TensorView& value_cache, const TensorView& slot_mapping, const QkNorm& norm) {
   Args a("qkv_rope_cache", device);
   a.floats("qkv", qkv, 2);
   rope_cache_targets(a, qkv, query_out, positions, cos_sin, key_cache, value_cache, slot_mapping);
   a.size("qkv", qkv, 1, qkv_width(query_out, key_cache));
+  if (!norm.applies()) return;
+  for (const auto& [name, weight] : {std::pair<std::string_view, const TensorView&>{"q_norm", norm.q_weight},
+                                     {"k_norm", norm.k_weight}}) {
+    PS_REQUIRE(weight.data != nullptr, a.op(), "q_norm and k_norm come together: " + std::string(name) + " is missing");
+    a.floats(name, weight, 1);
+    a.same_dtype(name, weight, qkv);
+    a.size(name, weight, 0, query_out.size(2));
+  }
+  PS_REQUIRE(norm.eps >= 0.0f, a.op(), "the q/k norm's eps must be >= 0, got " + std::to_string(norm.eps));
 }
 
 void check_small_batch_linear(Device device, const TensorView& out, const TensorView& x, const TensorView& weight,

@@ -29,6 +29,7 @@
 #include <string_view>
 
 #include "ops/attention_options.h"
+#include "ops/qk_norm.h"
 #include "ops/tensor_view.h"
 
 namespace pagedserve::ops {
@@ -80,10 +81,10 @@ void check_grouped_linear(Device device, const TensorView& out, const TensorView
 // qkv_rope_cache: qkv [T, (Hq + 2 Hkv) D] float (q, k, v columns); query_out [T, Hq, D];
 // key_cache, value_cache [N, Hkv, B, D] of qkv's dtype; positions, slot_mapping [T] int32;
 // cos_sin_cache [max_position, R] float32, R even, 0 < R <= D. CPU: positions in range,
-// slots in the cache or kPadSlot.
+// slots in the cache or kPadSlot. norm: none, or both weights [D] of qkv's dtype and eps >= 0.
 void check_qkv_rope_cache(Device device, const TensorView& query_out, const TensorView& qkv,
                           const TensorView& positions, const TensorView& cos_sin, const TensorView& key_cache,
-                          const TensorView& value_cache, const TensorView& slot_mapping);
+                          const TensorView& value_cache, const TensorView& slot_mapping, const QkNorm& norm = {});
 
 // small_batch_linear: x [M, K] float, 1 <= M <= kMaxSmallBatchRows, K > 0; weight [N, K];
 // bias [N] or empty (no data); out [M, N], or [M, N / 2] when gated (N even).

@@ -15,6 +15,7 @@
 #include <string_view>
 
 #include "attention_options.h"
+#include "qk_norm.h"
 #include "tensor_view.h"
 
 namespace pagedserve::ops {
@@ -122,12 +123,13 @@ std::string_view int8_linear_kernel();
 // The attention's input from the qkv projection in one op: query_out = the
 // rotated q columns; the rotated k columns and the v columns written into
 // their cache slots; the same results as rotary_embedding then
-// reshape_and_cache on the column slices. qkv: [T, (Hq + 2 Hkv) D];
+// reshape_and_cache on the column slices (with `norm`, rms_norm of every q
+// and k head first: qk_norm.h). qkv: [T, (Hq + 2 Hkv) D];
 // query_out: [T, Hq, D]; key_cache, value_cache: [N, Hkv, B, D] (qkv's dtype);
 // positions, slot_mapping: [T] int32 (kPadSlot: no KV write); cos_sin: [max_position, R].
 void qkv_rope_cache(const TensorView& query_out, const TensorView& qkv, const TensorView& positions,
                     const TensorView& cos_sin, const TensorView& key_cache, const TensorView& value_cache,
-                    const TensorView& slot_mapping);
+                    const TensorView& slot_mapping, const QkNorm& norm = {});
 
 // qkv_rope_cache applied to the product x W^T (+ bias) of a decode step's
 // rows, without storing it: the reference of the CUDA kernel that fuses the

@@ -134,7 +134,7 @@ void qkv_rope_cache_cases(DType dt) {
     Tensor key_cache = Tensor(dt, {num_blocks, hkv, block_size, head_dim}).randomize(), value_cache = key_cache;
     Tensor key_cache_ref = key_cache, value_cache_ref = value_cache;
     gpu::qkv_rope_cache(query.gpu(), qkv.gpu(), positions.gpu(), cos_sin.gpu(), key_cache.gpu(), value_cache.gpu(),
-                        slots.gpu(), nullptr);
+                        slots.gpu(), {}, nullptr);
     cpu::qkv_rope_cache(query_ref.cpu(), qkv.cpu(), positions.cpu(), cos_sin.cpu(), key_cache_ref.cpu(),
                         value_cache_ref.cpu(), slots.cpu());
     const std::string shape = std::string(name(dt)) + " Hq" + std::to_string(hq) + " Hkv" + std::to_string(hkv) +
@@ -143,10 +143,66 @@ void qkv_rope_cache_cases(DType dt) {
                                           value_cache.same_bytes(value_cache_ref));
     positions.ints()[0] = max_position + 3;  // out of the table: q and k copied unrotated
     gpu::qkv_rope_cache(query.gpu(), qkv.gpu(), positions.gpu(), cos_sin.gpu(), key_cache.gpu(), value_cache.gpu(),
-                        slots.gpu(), nullptr);
+                        slots.gpu(), {}, nullptr);
     bool unrotated = true;
     for (int i = 0; i < hq * head_dim; ++i) unrotated &= query.get(i) == qkv.get(i);
     report("qkv_rope_cache out-of-table position " + shape, unrotated);
+  }
+}
+
+// A column block [t, c0, c0 + width) of a [T, W] tensor, copied out as [T * width / d, d].
+Tensor column_rows(Tensor& src, int tokens, int row_width, int c0, int width, int d) {
+  Tensor out(src.dtype, {tokens * width / d, d});
+  for (int t = 0; t < tokens; ++t) {
+    for (int c = 0; c < width; ++c) out.set(int64_t(t) * width + c, src.get(int64_t(t) * row_width + c0 + c));
+  }
+  return out;
+}
+
+// With q/k norms (Qwen3): the fused kernel against the unfused kernels it replaces (rms_norm of the head
+// rows, rotary_embedding, reshape_and_cache), byte for byte, with a padded token and an out-of-table position;
+// and within tolerance of the CPU op.
+void qkv_rope_cache_norm_cases(DType dt) {
+  for (auto [tokens, hq, hkv, head_dim] :
+       std::vector<std::array<int, 4>>{{5, 8, 2, 128}, {3, 4, 4, 64}, {4, 6, 2, 32}, {2, 2, 1, 16}}) {
+    const int max_position = 64, num_blocks = 4, block_size = 16;
+    auto [cos_sin, positions, slots] = rope_inputs(tokens, max_position, head_dim);
+    positions.ints()[tokens - 1] = max_position + 1;  // out of the table: normalized, not rotated
+    const int width = (hq + 2 * hkv) * head_dim;
+    const float eps = 1e-6f;
+    Tensor qkv = Tensor(dt, {tokens, width}).randomize(2);
+    Tensor q_weight = Tensor(dt, {head_dim}).randomize(), k_weight = Tensor(dt, {head_dim}).randomize();
+    Tensor query = Tensor(dt, {tokens, hq, head_dim}).poison();
+    Tensor key_cache = Tensor(dt, {num_blocks, hkv, block_size, head_dim}).randomize(), value_cache = key_cache;
+    Tensor key_cache_ref = key_cache, value_cache_ref = value_cache;
+    gpu::qkv_rope_cache(query.gpu(), qkv.gpu(), positions.gpu(), cos_sin.gpu(), key_cache.gpu(), value_cache.gpu(),
+                        slots.gpu(), {q_weight.gpu(), k_weight.gpu(), eps}, nullptr);
+    Tensor q_rows = column_rows(qkv, tokens, width, 0, hq * head_dim, head_dim);
+    Tensor k_rows = column_rows(qkv, tokens, width, hq * head_dim, hkv * head_dim, head_dim);
+    Tensor v_rows = column_rows(qkv, tokens, width, (hq + hkv) * head_dim, hkv * head_dim, head_dim);
+    Tensor query_ref(dt, {tokens, hq, head_dim}), key(dt, {tokens, hkv, head_dim});
+    Tensor value = v_rows;
+    value.shape = {tokens, hkv, head_dim};
+    Tensor q_norm_rows(dt, {tokens * hq, head_dim}), k_norm_rows(dt, {tokens * hkv, head_dim});
+    gpu::rms_norm(q_norm_rows.gpu(), q_rows.gpu(), q_weight.gpu(), eps, false, nullptr);
+    gpu::rms_norm(k_norm_rows.gpu(), k_rows.gpu(), k_weight.gpu(), eps, false, nullptr);
+    query_ref.bytes = q_norm_rows.bytes;
+    key.bytes = k_norm_rows.bytes;
+    gpu::rotary_embedding(positions.gpu(), query_ref.gpu(), key.gpu(), cos_sin.gpu(), nullptr);
+    gpu::reshape_and_cache(key.gpu(), value.gpu(), key_cache_ref.gpu(), value_cache_ref.gpu(), slots.gpu(), nullptr);
+    const std::string shape = std::string(name(dt)) + " Hq" + std::to_string(hq) + " Hkv" + std::to_string(hkv) +
+                              " D" + std::to_string(head_dim);
+    report("qkv_rope_cache q/k norm = rms_norm, rope, cache " + shape,
+           query.same_bytes(query_ref) && key_cache.same_bytes(key_cache_ref) &&
+               value_cache.same_bytes(value_cache_ref));
+    positions.ints()[tokens - 1] = 0;  // the CPU contract refuses positions outside the table
+    Tensor query_cpu(dt, {tokens, hq, head_dim}), key_cache_cpu = key_cache_ref, value_cache_cpu = value_cache_ref;
+    gpu::qkv_rope_cache(query.gpu(), qkv.gpu(), positions.gpu(), cos_sin.gpu(), key_cache.gpu(), value_cache.gpu(),
+                        slots.gpu(), {q_weight.gpu(), k_weight.gpu(), eps}, nullptr);
+    cpu::qkv_rope_cache(query_cpu.cpu(), qkv.cpu(), positions.cpu(), cos_sin.cpu(), key_cache_cpu.cpu(),
+                        value_cache_cpu.cpu(), slots.cpu(), {q_weight.cpu(), k_weight.cpu(), eps});
+    expect_close("qkv_rope_cache q/k norm query vs CPU " + shape, query, query_cpu);
+    expect_close("qkv_rope_cache q/k norm key cache vs CPU " + shape, key_cache, key_cache_cpu);
   }
 }
 
@@ -197,6 +253,7 @@ void elementwise_cases() {
     torch_order_norm_cases(dt);
     rotary_cases(dt);
     qkv_rope_cache_cases(dt);
+    qkv_rope_cache_norm_cases(dt);
     activation_cases(dt);
     cache_cases(dt);
   }

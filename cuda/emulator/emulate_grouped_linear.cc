@@ -73,7 +73,7 @@ void qkv_linear_rope_case(DType dt, int rows, int hq, int hkv, int head_dim, int
                              cos_sin.gpu(), key_cache.gpu(), value_cache.gpu(), slots.gpu(), nullptr);
   gpu::small_batch_linear(qkv.gpu(), x.gpu(), weight.gpu(), bias ? b.gpu() : no_bias, false, nullptr);
   gpu::qkv_rope_cache(query_ref.gpu(), qkv.gpu(), positions.gpu(), cos_sin.gpu(), key_cache_ref.gpu(),
-                      value_cache_ref.gpu(), slots.gpu(), nullptr);
+                      value_cache_ref.gpu(), slots.gpu(), {}, nullptr);
   report(std::string("qkv_linear_rope_cache ") + name(dt) + " M" + std::to_string(rows) + " Hq" + std::to_string(hq) +
              " Hkv" + std::to_string(hkv) + " D" + std::to_string(head_dim) + " R" + std::to_string(rotary_dim) +
              " K" + std::to_string(k_size) + (bias ? " bias" : ""),

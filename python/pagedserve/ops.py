@@ -167,13 +167,17 @@ def paged_attention_workspace(num_seqs: int, num_heads: int, head_dim: int, max_
 
 
 def qkv_rope_cache(query_out: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                   key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                   q_norm: Optional[torch.Tensor] = None, k_norm: Optional[torch.Tensor] = None,
+                   eps: float = 0.0) -> None:
     """From qkv [T, (Hq + 2 Hkv) D]: query_out [T, Hq, D] = rotated q; rotated k and v into the caches
     [N, Hkv, B, D] at slot_mapping [T] (-1: skip). The same as rotary_embedding then reshape_and_cache on the
-    column slices, in one pass on a GPU."""
+    column slices, in one pass on a GPU. q_norm, k_norm [D] (both or neither): rms_norm(eps) of every q and k
+    head first, bit for bit as rms_norm of the heads (on a GPU: rope over whole heads, head_dim <= 128)."""
     kernels, stream = _backend(qkv)
     kernels.qkv_rope_cache(_dl(query_out), _dl(qkv), _dl(positions), _dl(cos_sin_cache), _dl(key_cache),
-                           _dl(value_cache), _dl(slot_mapping), stream)
+                           _dl(value_cache), _dl(slot_mapping), None if q_norm is None else _dl(q_norm),
+                           None if k_norm is None else _dl(k_norm), float(eps), stream)
 
 
 MAX_SMALL_BATCH_ROWS = 8  # cpp/ops/op_contracts.h kMaxSmallBatchRows

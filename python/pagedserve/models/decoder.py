@@ -92,9 +92,9 @@ class Attention(nn.Module):
             query = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=hidden.dtype, device=hidden.device)
             rope_args = (self.rotary.table_positions(positions, attn), self.rotary.cos_sin_cache, layer_kv_cache[0],
                          layer_kv_cache[1], attn.slot_mapping)
-            operands = self.qkv_proj.small_batch_operands(hidden)
+            operands = None if self.q_norm is not None else self.qkv_proj.small_batch_operands(hidden)
             if operands is None:
-                ops.qkv_rope_cache(query, self.qkv_proj(hidden), *rope_args)
+                ops.qkv_rope_cache(query, self.qkv_proj(hidden), *rope_args, *self._head_norms())
             else:  # a decode step of a row or two: the projection too, in the same kernel
                 ops.qkv_linear_rope_cache(query, hidden, *operands, *rope_args)
             out = self.attn.attend(query, layer_kv_cache, attn)
@@ -111,10 +111,21 @@ class Attention(nn.Module):
 
     def _fused_input(self, hidden: torch.Tensor, layer_kv_cache: torch.Tensor) -> bool:
         """Whether ops.qkv_rope_cache makes the attention's input from the qkv projection (on a GPU: one kernel
-        instead of three copies, rope and the cache write): rope on every q and k head, no q/k norms, a cache
-        of the model's dtype."""
-        return (hidden.is_cuda and self.rotary is not None and self.q_norm is None and self.k_norm is None
-                and layer_kv_cache.dtype == hidden.dtype)
+        instead of three copies, rope and the cache write, and the two q/k norms of Qwen3-like models): rope on
+        every q and k head, a cache of the model's dtype; q/k norms only per head, with rope over whole heads of
+        at most 128 dims (the kernel's limits for summing a head as rms_norm does)."""
+        if not (hidden.is_cuda and self.rotary is not None and layer_kv_cache.dtype == hidden.dtype):
+            return False
+        if self.q_norm is None:
+            return True
+        return (self.qk_norm_per_head and self.rotary.cos_sin_cache.shape[1] == self.head_dim
+                and self.head_dim <= 128 and self.head_dim // 2 * hidden.element_size() % 16 == 0)
+
+    def _head_norms(self) -> tuple:
+        """ops.qkv_rope_cache's q_norm, k_norm and eps arguments: none without per-head norms."""
+        if self.q_norm is None:
+            return ()
+        return self.q_norm.scale(), self.k_norm.scale(), self.q_norm.eps
 
     def _heads(self, x: torch.Tensor, num_heads: int, norm: Optional[RMSNorm]) -> torch.Tensor:
         """A contiguous [T, heads, D] copy of a column slice of qkv, normalised when the model says so."""

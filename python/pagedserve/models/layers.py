@@ -171,7 +171,8 @@ class RMSNorm(nn.Module):
         """Rows are summed in an order fixed by the width, not torch's for the batch (batch-invariant)."""
         self.fixed_order = True
 
-    def _scale(self) -> torch.Tensor:
+    def scale(self) -> torch.Tensor:
+        """What the normalized values are multiplied by: the weight, or (offset 1) 1 + weight in the dtype."""
         if not self.offset:
             return self.weight
         return (self.weight.float() + self.offset).to(self.weight.dtype)
@@ -179,12 +180,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalises the rows of a contiguous [N, size] tensor into a new tensor."""
         out = torch.empty_like(x)
-        ops.rms_norm(out, x, self._scale(), self.eps, self.fixed_order)
+        ops.rms_norm(out, x, self.scale(), self.eps, self.fixed_order)
         return out
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """residual += x, then x = rms_norm(residual), both in place; returns x."""
-        ops.fused_add_rms_norm(x, residual, self._scale(), self.eps, self.fixed_order)
+        ops.fused_add_rms_norm(x, residual, self.scale(), self.eps, self.fixed_order)
         return x
 
 
