@@ -9,8 +9,9 @@
 //  - for_row_blocks: rows cut into balanced blocks of at most kMaxRows
 //    (13 rows as 7 + 6, not 12 + 1), each handed to the block kernel
 //    instantiated for its row count;
-//  - AMX: the one tile configuration they use (every register 16 rows of 64
-//    bytes), and the walk of tile pairs x 16-row blocks in one thread.
+//  - AMX: the tile configuration they use (64-byte rows; 16 rows, or x's
+//    rows where it has fewer), and the walk of tile pairs x 16-row blocks in
+//    one thread.
 // Column tiles are split across threads by the callers and no K sum is, so a
 // row's result never depends on the batch or the thread count.
 #pragma once
@@ -55,8 +56,11 @@ void for_row_blocks(int64_t row_begin, int64_t row_end, Block&& block) {
 
 inline constexpr int64_t kAmxTileRows = 16;  // rows of x per tile product (one tile register's rows)
 
-// Loads the tile configuration every kernel uses: registers 0-7 of 16 rows x 64 bytes.
-[[gnu::target("arch=x86-64-v4,amx-tile")]] inline void configure_amx_tiles() {
+// Loads the tile configuration every kernel uses: registers 0-7 of 64 bytes a row; the
+// accumulators (0-3) and x (4-5) of `x_rows` rows, the weights (6-7) of 16 (a K chunk). Fewer
+// than 16 rows where x has fewer: a decode step of one sequence then loads, multiplies and stores
+// one row instead of 16 (each row's products are the same either way).
+[[gnu::target("arch=x86-64-v4,amx-tile")]] inline void configure_amx_tiles(int x_rows) {
   struct alignas(64) {
     uint8_t palette = 1;
     uint8_t start_row = 0;
@@ -65,7 +69,7 @@ inline constexpr int64_t kAmxTileRows = 16;  // rows of x per tile product (one 
     uint8_t rows[16] = {};
   } config;
   for (int i = 0; i < 8; ++i) {
-    config.rows[i] = kAmxTileRows;
+    config.rows[i] = static_cast<uint8_t>(i < 6 ? x_rows : kAmxTileRows);
     config.bytes_per_row[i] = 64;
   }
   _tile_loadconfig(&config);
@@ -80,7 +84,7 @@ inline constexpr int64_t kAmxTileRows = 16;  // rows of x per tile product (one 
 template <typename TilePair>
 void for_amx_tile_pairs(int64_t tiles, int64_t pair_begin, int64_t pair_end, int64_t row_begin, int64_t row_end,
                         TilePair&& tile_pair) {
-  configure_amx_tiles();
+  configure_amx_tiles(static_cast<int>(std::clamp<int64_t>(row_end - row_begin, 1, kAmxTileRows)));
   for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
     for (int64_t row0 = row_begin; row0 < row_end; row0 += kAmxTileRows) {
       tile_pair(row0, std::min(kAmxTileRows, row_end - row0), 2 * pair, 2 * pair + 1 < tiles);
