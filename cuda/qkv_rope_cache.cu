@@ -10,9 +10,10 @@
 // token's heads: for q and k heads a chunk of rotation pairs (x[i..], x[R/2 +
 // i..]) or of the dims past R, for v heads a plain chunk. The arithmetic is
 // rotary_math.cuh's, as rotary_embedding's, so the result is bit-identical to
-// rotary_embedding followed by reshape_and_cache. Tokens whose position is outside the table
-// keep their keys and queries unrotated (as rotary_embedding leaves them);
-// tokens with a negative slot, or a slot past the cache, write no KV.
+// rotary_embedding followed by reshape_and_cache. Tokens whose position is
+// outside the table keep their keys and queries unrotated (as
+// rotary_embedding leaves them); tokens with a negative slot, or a slot past
+// the cache, write no KV.
 // With a QkNorm (Qwen3's q_norm / k_norm) each q and k head is normalized
 // first, bit for bit as rms_norm normalizes it (head_sum below): unfused that
 // is seven launches a layer (three copies, two norms, rope, the cache write);
