@@ -2,7 +2,7 @@
 reference) against the unfused ops it replaces on the same device, bit for bit: rotary_embedding on the q / k
 column slices, then reshape_and_cache; full and partial rotary, GQA and MHA, a padded token (no KV write);
 on a GPU also against the CPU op; bad arguments are clear errors. With q/k norms (Qwen3): the same against
-rms_norm of the head rows first, and within the dtype's tolerance of transformers' arithmetic in torch."""
+rms_norm of the head rows first, and within the dtype's tolerance of transformers' Qwen3 modules."""
 
 from __future__ import annotations
 
@@ -108,17 +108,20 @@ def test_q_k_norms_same_bits_as_norm_then_rope_then_cache_write(device, dtype, s
 
 
 def transformers_arithmetic(qkv, cos_sin, positions, hq, hkv, d, norms):
-    """Qwen3's attention input as transformers computes it (Qwen3RMSNorm, then apply_rotary_pos_emb in the
-    model dtype): the rotated, normalized q and k heads, in float32."""
+    """Qwen3's attention input as transformers computes it (its Qwen3RMSNorm per head, then
+    apply_rotary_pos_emb in the model dtype): the rotated, normalized q and k heads, in float32."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
     q, k, _ = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
-    cos, sin = (t[positions.long()][:, None, :].repeat(1, 1, 2).to(qkv.dtype) for t in cos_sin.chunk(2, dim=-1))
-    out = []
-    for x, heads, w in ((q, hq, norms[0]), (k, hkv, norms[1])):
-        x = x.reshape(-1, heads, d).float()
-        x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)).to(qkv.dtype) * w
-        rotated = torch.cat((-x[..., d // 2:], x[..., : d // 2]), dim=-1)
-        out.append((x * cos + rotated * sin).float())
-    return out
+    heads = []
+    for x, count, weight in ((q, hq, norms[0]), (k, hkv, norms[1])):
+        norm = Qwen3RMSNorm(d, eps=EPS).to(qkv.dtype)
+        with torch.no_grad():
+            norm.weight.copy_(weight)
+            heads.append(norm(x.reshape(-1, count, d)).transpose(0, 1))  # [heads, T, D]
+    cos, sin = (t[positions.long()].repeat(1, 2).to(qkv.dtype) for t in cos_sin.chunk(2, dim=-1))
+    query, key = apply_rotary_pos_emb(*heads, cos, sin, unsqueeze_dim=0)
+    return query.transpose(0, 1).float(), key.transpose(0, 1).float()
 
 
 @pytest.mark.parametrize("device", DEVICES)
