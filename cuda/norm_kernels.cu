@@ -139,39 +139,59 @@ struct TorchRowOrder {
   }
 };
 
-// One block of max(width, 128) threads per row; squares staged in shared memory.
-template <typename T, bool kAddResidual>
+// One block per row, of at least max(width, 128) threads; squares staged in shared memory.
+// Thread tid holds the row's 4-element vectors tid, tid + blockDim, ... (at most
+// kIters of them) in registers: every load of x and the residual is issued
+// before the first store, and the weights are loaded before the dependent-launch
+// wait (no kernel of a step writes them). The loop it replaces loaded, stored,
+// then loaded again (the stores may alias the next loads, so each iteration
+// waited on memory). H200, TinyLlama decode step at batch 64: the 45 norms
+// 187-191 -> 173-175 us (eager profile); single stream 814-927 -> 919-963
+// tok/s, same calls (bench/results/h200/session17.md).
+template <typename T, bool kAddResidual, int kIters>
 __global__ void __launch_bounds__(512)
     rms_norm_torch_order_kernel(T* out, const T* in, T* residual, const T* weight, float eps, int hidden,
                                 int width, float inv_hidden) {
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   float* squares = reinterpret_cast<float*>(shared_bytes);  // [hidden], then [width] partial sums
   float* partial = squares + hidden;
-  const int tid = static_cast<int>(threadIdx.x);
+  const int tid = static_cast<int>(threadIdx.x), stride = 4 * static_cast<int>(blockDim.x);
   const int64_t row_offset = static_cast<int64_t>(blockIdx.x) * hidden;
+  float v[kIters][4], w[kIters][4];
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    if (4 * tid + k * stride < hidden) load_as_float(w[k], weight + 4 * tid + k * stride);
+  }
   wait_for_previous_kernel();
   let_next_kernel_launch();
-  // 4 elements per step (hidden % 4 == 0), as vectors where the row is 8-byte aligned.
-  for (int i = 4 * tid; i < hidden; i += 4 * static_cast<int>(blockDim.x)) {
-    float v[4];
-    load_as_float(v, in + row_offset + i);
-    if constexpr (kAddResidual) {
-      float r[4];
-      load_as_float(r, residual + row_offset + i);
+  // 4 elements per vector (hidden % 4 == 0): every load first.
+  float r[kIters][4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = round_through<T>(v[e] + r[e]);
-      store_from_float(residual + row_offset + i, v);
+  for (int k = 0; k < kIters; ++k) {
+    const int i = 4 * tid + k * stride;
+    if (i >= hidden) continue;
+    load_as_float(v[k], in + row_offset + i);
+    if constexpr (kAddResidual) load_as_float(r[k], residual + row_offset + i);
+  }
+#pragma unroll
+  for (int k = 0; k < kIters; ++k) {
+    const int i = 4 * tid + k * stride;
+    if (i >= hidden) continue;
+    if constexpr (kAddResidual) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v[k][e] = round_through<T>(v[k][e] + r[k][e]);
+      store_from_float(residual + row_offset + i, v[k]);
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) squares[i + e] = __fmul_rn(v[e], v[e]);  // torch squares into a tensor first: no FMA
+    for (int e = 0; e < 4; ++e) squares[i + e] = __fmul_rn(v[k][e], v[k][e]);  // torch squares first: no FMA
   }
   __syncthreads();
   float sum = 0.f;
   if (tid < width) {
     float lanes[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int v = tid; 4 * v + 3 < hidden; v += width) {
+    for (int c = tid; 4 * c + 3 < hidden; c += width) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) lanes[i] = __fadd_rn(lanes[i], squares[4 * v + i]);
+      for (int i = 0; i < 4; ++i) lanes[i] = __fadd_rn(lanes[i], squares[4 * c + i]);
     }
     sum = __fadd_rn(__fadd_rn(__fadd_rn(lanes[0], lanes[1]), lanes[2]), lanes[3]);
     partial[tid] = sum;
@@ -189,14 +209,23 @@ __global__ void __launch_bounds__(512)
   }
   __syncthreads();
   const float inv_rms = rsqrtf(__fadd_rn(__fmul_rn(partial[0], inv_hidden), eps));
-  for (int i = 4 * tid; i < hidden; i += 4 * static_cast<int>(blockDim.x)) {
-    float v[4], w[4];
-    load_as_float(v, (kAddResidual ? static_cast<const T*>(residual) : in) + row_offset + i);
-    load_as_float(w, weight + i);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = round_through<T>(__fmul_rn(v[e], inv_rms)) * w[e];
-    store_from_float(out + row_offset + i, v);
+  for (int k = 0; k < kIters; ++k) {
+    const int i = 4 * tid + k * stride;
+    if (i >= hidden) continue;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[k][e] = round_through<T>(__fmul_rn(v[k][e], inv_rms)) * w[k][e];
+    store_from_float(out + row_offset + i, v[k]);
   }
+}
+
+// Vectors a thread of rms_norm_torch_order_kernel holds, as compiled: 1, 2 or 4.
+constexpr int kMaxNormIters = 4;
+template <typename Fn>
+void dispatch_norm_iters(int iters, Fn&& fn) {
+  if (iters <= 1) return fn.template operator()<1>();
+  if (iters <= 2) return fn.template operator()<2>();
+  return fn.template operator()<4>();
 }
 
 int next_pow2(int n) {
@@ -215,12 +244,18 @@ void launch_rms_norm(const char* op, void* out, const TensorView& in, void* resi
   const size_t order_smem = static_cast<size_t>(hidden + std::max(order.width, 1)) * sizeof(float);
   const bool aligned16 = is_aligned16(out) && is_aligned16(in.data) && is_aligned16(weight.data) &&
                          (residual == nullptr || is_aligned16(residual));  // the kernel loads 4-element vectors
-  if (!fixed_order && order.width > 0 && order_smem <= 48 * 1024 && aligned16) {
+  // The torch threads (width) sum the squares; every thread of the block loads: enough for kMaxNormIters
+  // vectors a thread (torch's path has hidden < 8192: 512 threads suffice).
+  const int order_threads = std::min(512, std::max({order.width, 128, next_pow2(ceil_div(hidden, 4 * kMaxNormIters))}));
+  const int order_iters = ceil_div(hidden, 4 * order_threads);
+  if (!fixed_order && order.width > 0 && order_smem <= 48 * 1024 && aligned16 && order_iters <= kMaxNormIters) {
     dispatch_float(in.dtype, op, [&]<typename T>() {
-      launch_dependent(rms_norm_torch_order_kernel<T, kAddResidual>, dim3(rows), dim3(std::max(order.width, 128)),
-                       order_smem, stream, kAddResidual ? "fused_add_rms_norm_kernel" : "rms_norm_kernel",
-                       static_cast<T*>(out), in.ptr<const T>(), static_cast<T*>(residual), weight.ptr<const T>(), eps,
-                       hidden, order.width, order.inv_hidden);
+      dispatch_norm_iters(order_iters, [&]<int kIters>() {
+        launch_dependent(rms_norm_torch_order_kernel<T, kAddResidual, kIters>, dim3(rows), dim3(order_threads),
+                         order_smem, stream, kAddResidual ? "fused_add_rms_norm_kernel" : "rms_norm_kernel",
+                         static_cast<T*>(out), in.ptr<const T>(), static_cast<T*>(residual), weight.ptr<const T>(),
+                         eps, hidden, order.width, order.inv_hidden);
+      });
     });
     return;
   }
