@@ -12,10 +12,15 @@
 // writes are visible.
 //
 // The contract for a kernel launched with launch_dependent:
-//  - every CTA calls wait_for_previous_kernel() before it reads anything an
-//    earlier kernel wrote or writes anything at all (and before returning
-//    early: a grid that finishes without waiting would let the kernel after
-//    it run ahead of the one before);
+//  - every CTA calls wait_for_previous_kernel() before it reads anything a
+//    dependent-launched kernel may have written or writes global memory (and
+//    before returning early: a grid that finishes without waiting would let
+//    the kernel after it run ahead of the one before). Before the wait it may
+//    read what only ordinary launches and the host write, such as weights: a
+//    writer like that lets its successor start only when it is done, and a
+//    dependent kernel lets its own start only after its wait, so every such
+//    write before this kernel is complete (rms_norm_torch_order_kernel loads
+//    its weights there);
 //  - it calls let_next_kernel_launch() after that wait, so at most one grid
 //    is launched ahead of the one running.
 // Results are bit-identical with PDL on or off; PAGEDSERVE_PDL=0 turns it off

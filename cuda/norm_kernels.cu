@@ -143,11 +143,11 @@ struct TorchRowOrder {
 // Thread tid holds the row's 4-element vectors tid, tid + blockDim, ... (at most
 // kIters of them) in registers: every load of x and the residual is issued
 // before the first store, and the weights are loaded before the dependent-launch
-// wait (no kernel of a step writes them). The loop it replaces loaded, stored,
-// then loaded again (the stores may alias the next loads, so each iteration
-// waited on memory). H200, TinyLlama decode step at batch 64: the 45 norms
-// 187-191 -> 173-175 us (eager profile); single stream 814-927 -> 919-963
-// tok/s, same calls (bench/results/h200/session17.md).
+// wait (dependent_launch.cuh: no dependent kernel writes them). The loop it
+// replaces loaded, stored, then loaded again (the stores may alias the next
+// loads, so each iteration waited on memory, the weights last). H200, TinyLlama
+// shape: single stream 869.8 -> 934.6 tok/s (means of 8 paired runs); the 45
+// norms of a batch-64 step 187-191 -> 173-175 us (bench/results/h200/session17.md).
 template <typename T, bool kAddResidual, int kIters>
 __global__ void __launch_bounds__(512)
     rms_norm_torch_order_kernel(T* out, const T* in, T* residual, const T* weight, float eps, int hidden,
@@ -246,7 +246,8 @@ void launch_rms_norm(const char* op, void* out, const TensorView& in, void* resi
                          (residual == nullptr || is_aligned16(residual));  // the kernel loads 4-element vectors
   // The torch threads (width) sum the squares; every thread of the block loads: enough for kMaxNormIters
   // vectors a thread (torch's path has hidden < 8192: 512 threads suffice).
-  const int order_threads = std::min(512, std::max({order.width, 128, next_pow2(ceil_div(hidden, 4 * kMaxNormIters))}));
+  const int order_threads =
+      std::min(512, std::max({order.width, 128, next_pow2(ceil_div(hidden, 4 * kMaxNormIters))}));
   const int order_iters = ceil_div(hidden, 4 * order_threads);
   if (!fixed_order && order.width > 0 && order_smem <= 48 * 1024 && aligned16 && order_iters <= kMaxNormIters) {
     dispatch_float(in.dtype, op, [&]<typename T>() {
