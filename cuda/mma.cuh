@@ -1,4 +1,5 @@
-// Warp-level tensor-core and async-copy primitives (sm_80+), as thin PTX wrappers.
+// Warp-level tensor-core and async-copy primitives (sm_80+), and the bare
+// exponent, as thin PTX wrappers.
 //
 // Fragment layouts of mma.m16n8k16 (g = lane / 4, q = lane % 4), each 32-bit
 // register holding two 16-bit values, lower address in the low half:
@@ -73,6 +74,15 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+}
+
+// 2^x as one MUFU.EX2 (ex2.approx.ftz.f32). exp2f is the same instruction
+// plus a compare and two predicated multiplies per value, which keep results
+// below 2^-126 as subnormals instead of zero; equal everywhere else.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Two floats rounded into one register of T pairs (lo in the low half).

@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -92,6 +94,12 @@ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b
     for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];
     c[e] += acc;
   }
+}
+
+// ex2.approx.ftz: subnormal results flush to zero.
+inline float exp2_ftz(float x) {
+  const float y = std::exp2(x);
+  return y < FLT_MIN ? 0.f : y;
 }
 
 template <typename T>
