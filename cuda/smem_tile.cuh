@@ -56,6 +56,7 @@ struct SwizzledTile {
 // D 128 204 -> 211 TFLOP/s, D 64 171 -> 180.
 template <int kHeadDim>
 struct LaneTileOffsets {
+  static_assert(kHeadDim % 64 == 0, "rows of a multiple of 64 values (8 chunks)");
   int low[4];
 
   __device__ __forceinline__ LaneTileOffsets(int lane_row, int half) {

@@ -1,6 +1,7 @@
 // paged_attention on the emulator against the CPU op: split-K decode, prefill
 // / extend, float32, and the options (sliding window, soft-capping).
 #include "emu_check.h"
+#include "smem_tile.cuh"
 
 namespace emu_check {
 namespace {
@@ -95,9 +96,31 @@ void attention_case(const AttentionCase& c) {
   }
 }
 
+// LaneTileOffsets (registers plus constants) against SwizzledTile::offset for
+// every lane row, half, row block and head-dim step the kernels use.
+template <int kHeadDim>
+void lane_tile_offsets_case() {
+  using pagedserve::cuda::LaneTileOffsets;
+  using pagedserve::cuda::SwizzledTile;
+  int mismatches = 0;
+  for (int lane_row = 0; lane_row < 16; ++lane_row) {
+    for (int half = 0; half < 2; ++half) {
+      const LaneTileOffsets<kHeadDim> rows(lane_row, half);
+      for (int first_row = 0; first_row < 128; first_row += 8) {
+        for (int step = 0; step < kHeadDim / 16; ++step) {
+          mismatches += rows(first_row, step) != SwizzledTile<kHeadDim>::offset(first_row + lane_row, 2 * step + half);
+        }
+      }
+    }
+  }
+  report("LaneTileOffsets = SwizzledTile::offset, D " + std::to_string(kHeadDim), mismatches == 0, mismatches);
+}
+
 }  // namespace
 
 void attention_cases() {
+  lane_tile_offsets_case<64>();
+  lane_tile_offsets_case<128>();
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     // Split-K decode (2 partitions), single-partition decode rows, prefill after a cached prefix.
     attention_case({dt, 128, 16, 2, 4, {{1, 700}, {1, 1}, {1, 70}, {5, 40}, {70, 100}}});
