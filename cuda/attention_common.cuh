@@ -50,8 +50,11 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// exp2(x - max) that stays 0 (not NaN) while a row has seen no key (max = -inf).
-__device__ __forceinline__ float exp2_shifted(float x, float max) { return exp2f(x - (max == -INFINITY ? 0.f : max)); }
+// x - max, which stays -inf (its exponent 0, not NaN) while a row has seen no key (max = -inf).
+__device__ __forceinline__ float shifted(float x, float max) { return x - (max == -INFINITY ? 0.f : max); }
+
+// exp2(x - max), 0 while a row has seen no key.
+__device__ __forceinline__ float exp2_shifted(float x, float max) { return exp2f(shifted(x, max)); }
 
 // 1 / l for the final O / l, as the approximate reciprocal (rcp.approx, ~1 ulp):
 // cuDNN normalizes this way, and matching it keeps the outputs bit-identical

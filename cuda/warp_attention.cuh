@@ -101,7 +101,7 @@ __device__ __forceinline__ void warp_scores(float (&s)[kKeys / 8][4], const uint
 // heads: D 128 211 -> 217 TFLOP/s, D 64 180 -> 188; outputs bit for bit the
 // same, SDPA's included).
 __device__ __forceinline__ float probability(float score, float max) {
-  return exp2_ftz(score - (max == -INFINITY ? 0.f : max));
+  return exp2_ftz(shifted(score, max));
 }
 
 // Attends the warp's 16 query rows to kKeys keys: rows [0, kKeys) of the
