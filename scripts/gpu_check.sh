@@ -78,7 +78,7 @@ for stage in "${STAGES[@]}"; do
       run_stage kernels python3 bench/perf/kernel_bench.py --out "$RUN"
       run_stage small_batch_linear python3 bench/perf/small_batch_linear_bench.py --out "$RUN" ;;
     engine)
-      run_stage engine python3 -m pytest tests_py/test_gpu_engine.py tests_py/test_gpu_batch_invariance.py \
+      run_stage engine python3 -m pytest tests_py/test_gpu_engine.py tests_py/test_gpu_batch_invariance.py tests_py/test_step_inputs.py \
         tests_py/test_gpu_decode_fusions.py -q \
         -p no:cacheprovider -s ;;
     families)  # every model family and rope type on random weights: float32 = the CPU path, bf16 vs transformers

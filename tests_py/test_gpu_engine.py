@@ -147,3 +147,49 @@ def test_parallel_sampling_on_gpu_matches_single_greedy(default_model_path, smol
     b = llm.generate(prompts[:2], seeded, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
     release(llm)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "qwen3_qk_norm_bias", "mixtral_8x2"])
+def test_one_sequence_prefills_replay_graphs_bit_identical_to_eager(tmp_path, name):
+    """A step that is one sequence's prefill of <= PREFILL_GRAPH_TOKENS tokens replays the graph of its count
+    (worker/cuda_graphs.py): whole prompts alone, the rest of a prompt after a prefix-cache hit, and the chunks
+    of a chunked prefill. Tokens and logprobs are those of the eager engine, bit for bit, in bf16; longer steps
+    run eagerly. Families with sliding windows and soft-capping, q/k norms and biases, and experts."""
+    from pagedserve.worker.cuda_graphs import PREFILL_GRAPH_TOKENS
+    from test_gpu_families import hf_model_for_gpu
+
+    hf_model_for_gpu(name).save_pretrained(tmp_path)
+    shared = [(5 * j) % 250 + 3 for j in range(40)]
+    prompts = [[(11 * i + 7 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((1, 5, 24, 63, 64, 65, 100))]
+    prompts += [shared + [9, 8, 7], shared + [4, 4, 4]]  # the second prefills 11 tokens after a prefix-cache hit of 32
+    params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, logprobs=1)
+
+    def run(enforce_eager: bool, **options):
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", seed=0, block_size=16, max_num_seqs=8,
+                  max_model_len=256, num_kv_blocks=256, enforce_eager=enforce_eager, **options)
+        prefills = []  # (tokens, replayed a graph) of every step without decodes
+        if not enforce_eager:
+            graphs = llm.llm_engine.worker.runner.graphs
+            lookup = graphs.lookup
+
+            def recording_lookup(step):
+                graph = lookup(step)
+                if step.num_decodes == 0:
+                    prefills.append((int(step.num_tokens), graph is not None))
+                return graph
+            graphs.lookup = recording_lookup
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+        llm.shutdown()
+        return [(o.token_ids, [[(t, e[t].logprob) for t in sorted(e)] for e in o.logprobs]) for o in outs], prefills
+
+    for options in (dict(), dict(max_num_batched_tokens=32)):
+        want, _ = run(True, **options)
+        got, prefills = run(False, **options)
+        assert got == want, options
+        assert prefills and all(used == (n <= PREFILL_GRAPH_TOKENS) for n, used in prefills), prefills
+        counts = [n for n, _ in prefills]
+        assert 11 in counts  # the rest of a prompt after its 32 cached tokens
+        if options:
+            assert counts.count(32) >= 3  # chunks of the 100-token and the shared prompts
+        else:
+            assert 65 in counts and 100 in counts

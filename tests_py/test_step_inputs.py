@@ -1,6 +1,7 @@
 """StepInputs: the scheduler's arrays at fixed offsets, padded decode batches for CUDA graphs."""
 
 import numpy as np
+import pytest
 import torch
 
 from pagedserve import _core
@@ -50,3 +51,17 @@ def test_an_eager_step_gets_views_of_its_own_size():
     assert attn.block_tables.shape == (3, 4) and attn.seq_lens.tolist() == [6, 6, 6]
     assert attn.query_start_loc.tolist() == [0, 1, 2, 3] and logits.tolist() == [0, 1, 2]
     assert inputs.logits_indices(3) is logits  # one view per count, made once
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_step_filled_while_the_last_copy_waits_does_not_overwrite_it():
+    """A step's arrays reach the device as they were when it was filled, even when the next step is filled
+    before the device has run the first one's copy (a step that samples nothing returns at once)."""
+    inputs = StepInputs(max_num_tokens=64, max_num_seqs=8, max_blocks_per_seq=4, device=torch.device("cuda"))
+    first, second = decode_step(3), decode_step(5)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the first copy
+    inputs.prepare_replay(first, 8)
+    seen = inputs.decode_views(8, max_seq_len=16)[2].seq_lens.clone()  # what the first step's kernels read
+    inputs.prepare_replay(second, 8)
+    torch.cuda.synchronize()
+    assert seen.tolist() == [6, 6, 6, 0, 0, 0, 0, 0]

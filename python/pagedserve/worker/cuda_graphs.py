@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps.
+"""CUDA graphs for decode steps and small one-sequence prefills.
 
 A decode step (every row brings one token) runs the same kernels whatever the
 batch's contents, so the forward is captured once per batch size in a ladder
@@ -7,6 +7,16 @@ views, and replayed: a step of S sequences replays the smallest captured size
 >= S, with rows past S padded (no KV write, empty context). The attention
 kernels read lengths and block tables from device memory and size their grid
 for max_model_len, so one capture serves every context length.
+
+A step that is one sequence's prefill of n <= PREFILL_GRAPH_TOKENS tokens (a
+prompt on an idle engine: a chat turn, a single stream, the chunks of a long
+prompt) replays a graph captured for exactly n tokens: eager, such a step is
+bound by the host's ~200 kernel launches. Exact counts need no padding tokens,
+which would sit inside the sequence's causal attention; the prefill kernels'
+grid follows n (max_query_len), and what they attend to (seq_lens, block
+tables) comes from device memory. H200, TinyLlama shape, 10 requests of 24 in
+/ 150 out in turn, interleaved: 838 / 952 / 952 vs 838 / 930 / 927 tok/s
+without (bench/results/h200/session19.md).
 """
 
 from __future__ import annotations
@@ -26,6 +36,11 @@ from pagedserve.worker.step_inputs import StepInputs
 logger = logging.getLogger("pagedserve")
 
 
+# One-sequence prefills of up to this many tokens replay a graph of their count: the dense range the
+# start-up warm-up runs (prefill_warmup.DENSE_WARMUP_TOKENS); capturing them adds ~1 s to start-up.
+PREFILL_GRAPH_TOKENS = 64
+
+
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
@@ -33,8 +48,8 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 
 
 @dataclass
-class CapturedDecode:
-    batch_size: int
+class CapturedStep:
+    batch_size: int  # the rows prepare_replay fills: a decode batch's padded size, 1 for a prefill
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # the graph's output, overwritten by each replay
     launching: threading.Lock  # held while the host launches the graph (see CudaGraphs.abandon)
@@ -43,47 +58,57 @@ class CapturedDecode:
     def replay(self) -> torch.Tensor:
         with self.launching:
             if self.destroyed:
-                raise RuntimeError("the decode CUDA graphs were destroyed (a tensor-parallel peer died)")
+                raise RuntimeError("the CUDA graphs were destroyed (a tensor-parallel peer died)")
             self.graph.replay()
         return self.hidden
 
 
 class CudaGraphs:
-    def __init__(self, model, kv_cache: torch.Tensor, inputs: StepInputs, max_num_seqs: int, max_seq_len: int):
+    def __init__(self, model, kv_cache: torch.Tensor, inputs: StepInputs, max_num_seqs: int, max_seq_len: int,
+                 prefill_tokens: int = 0):
+        """prefill_tokens: capture one-sequence prefills of 1..prefill_tokens tokens too (bounded here by
+        the step's token budget and max_seq_len)."""
         self.sizes = batch_size_ladder(max_num_seqs)
-        self._by_size: dict[int, CapturedDecode] = {}
+        self.prefill_counts = list(range(1, min(prefill_tokens, inputs.max_num_tokens, max_seq_len) + 1))
+        self._by_size: dict[int, CapturedStep] = {}
+        self._prefill: dict[int, CapturedStep] = {}
         self._launching = threading.Lock()
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        inputs.fill_capture_batch(max_num_seqs)
         # No garbage collection while capturing: a collected CUDA tensor (e.g. of an engine this process
         # dropped) freed mid-capture invalidates it ("operation failed due to a previous error during
         # capture", seen on an H100 with several engines in one process).
         gc.collect()
         gc.disable()
         try:
+            inputs.fill_capture_batch(max_num_seqs)
             for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-                self._by_size[bs] = self._capture(model, kv_cache, inputs, bs, max_seq_len, pool, self._launching)
+                views = inputs.decode_views(bs, max_seq_len)
+                self._by_size[bs] = self._capture(model, kv_cache, views, bs, pool, self._launching)
+            for n in reversed(self.prefill_counts):
+                inputs.fill_capture_prefill(n)
+                views = inputs.prefill_views(n, max_seq_len)
+                self._prefill[n] = self._capture(model, kv_cache, views, 1, pool, self._launching)
         finally:
             gc.enable()
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
-                    self.sizes[-1], time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) and %d one-sequence prefill graphs in %.1f s",
+                    len(self.sizes), self.sizes[0], self.sizes[-1], len(self.prefill_counts),
+                    time.perf_counter() - start)
         # The smallest captured size >= S, for every S.
         self._size_for = np.zeros(max_num_seqs + 1, dtype=np.int64)
         for s in range(1, max_num_seqs + 1):
             self._size_for[s] = next(b for b in self.sizes if b >= s)
 
     @staticmethod
-    def _capture(model, kv_cache, inputs: StepInputs, bs: int, max_seq_len: int, pool,
-                 launching: threading.Lock) -> CapturedDecode:
-        input_ids, positions, attn = inputs.decode_views(bs, max_seq_len)
+    def _capture(model, kv_cache, views, batch_size: int, pool, launching: threading.Lock) -> CapturedStep:
+        input_ids, positions, attn = views
         model.forward(input_ids, positions, attn, kv_cache)  # warm up: library handles, autotuning
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             hidden = model.forward(input_ids, positions, attn, kv_cache)
-        return CapturedDecode(bs, graph, hidden, launching)
+        return CapturedStep(batch_size, graph, hidden, launching)
 
     def release(self) -> None:
         """Destroys the graphs (NCCL waits for the graphs that captured a communicator before destroying
@@ -91,6 +116,7 @@ class CudaGraphs:
         torch.cuda.synchronize()
         self._destroy()
         self._by_size.clear()
+        self._prefill.clear()
         self._size_for = np.zeros(1, dtype=np.int64)
 
     def abandon(self) -> None:
@@ -103,13 +129,16 @@ class CudaGraphs:
 
     def _destroy(self) -> None:
         with self._launching:
-            for captured in self._by_size.values():
+            for captured in [*self._by_size.values(), *self._prefill.values()]:
                 if not captured.destroyed:
                     captured.destroyed = True
                     captured.graph.reset()
 
-    def lookup(self, step) -> Optional[CapturedDecode]:
+    def lookup(self, step) -> Optional[CapturedStep]:
+        """The graph that runs `step`, or None (run it eagerly)."""
         n = step.num_seqs
+        if n == 1 and step.num_decodes == 0:
+            return self._prefill.get(int(step.num_tokens))
         if n == 0 or step.num_decodes != n or step.num_tokens != n or n >= len(self._size_for):
             return None
         return self._by_size[int(self._size_for[n])]

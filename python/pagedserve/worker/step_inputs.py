@@ -4,6 +4,13 @@ All per-step index arrays live in ONE host buffer at fixed offsets (pinned
 memory on CUDA) and reach the device in ONE copy; the device-side tensors are
 views at the same offsets. The offsets and capacities never change, so CUDA
 graphs captured over these views see each new step's values in place.
+
+The host buffer is written again only once the device has read it: the copy
+is queued behind the steps still running, and a step that samples nothing (a
+middle chunk of a chunked prefill) returns to the host before its copy has run,
+so without the wait the next step's arrays could reach the device as this
+step's (seen on an H200: NaN outputs of a Mixtral-shaped model whose prompt
+chunks replayed CUDA graphs, which leave the host ahead of the device).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ class StepInputs:
         self._host = torch.zeros(offset, dtype=torch.int32, pin_memory=pin)
         self._host_np = self._host.numpy()
         self._device = self._host if device.type == "cpu" else torch.zeros(offset, dtype=torch.int32, device=device)
+        self._copied = torch.cuda.Event() if pin else None  # recorded after each copy of the host buffer
         self.block_tables = self._view("block_tables").view(max_num_seqs, max_blocks_per_seq)
         self._logits_views: dict[int, torch.Tensor] = {}
 
@@ -92,6 +100,8 @@ class StepInputs:
         num_seqs, num_tokens = step.num_seqs, step.num_tokens
         if num_tokens > self.max_num_tokens or num_seqs > self.max_num_seqs or rows > self.max_num_seqs:
             raise ValueError(f"step of {num_tokens} tokens / {num_seqs} seqs exceeds the runner's buffers")
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy has read the host buffer (returns at once if never recorded)
         h = self._host_view
         h("input_ids")[:num_tokens] = step.input_ids
         h("positions")[:num_tokens] = step.positions
@@ -113,8 +123,9 @@ class StepInputs:
         bt = h("block_tables").reshape(self.max_num_seqs, self.max_blocks_per_seq)
         bt[:num_seqs, :width] = step.block_tables
         used = self._segments["block_tables"].offset + rows * self.max_blocks_per_seq
-        if self._device is not self._host:
+        if self._copied is not None:
             self._device[:used].copy_(self._host[:used], non_blocking=True)
+            self._copied.record()
         return num_logits
 
     def _metadata(self, rows: int, tokens: int, max_query_len: int, max_seq_len: int,
@@ -136,6 +147,23 @@ class StepInputs:
         captures, and what prepare_replay(step, rows) later fills in place."""
         return (self._view("input_ids")[:rows], self._view("positions")[:rows],
                 self._metadata(rows, rows, 1, max_seq_len, rows))
+
+    def prefill_views(self, num_tokens: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                         AttentionMetadata]:
+        """(input_ids, positions, attn) of one sequence bringing num_tokens tokens: what a prefill CUDA graph
+        captures, and what prepare_replay(step, 1) later fills in place."""
+        return (self._view("input_ids")[:num_tokens], self._view("positions")[:num_tokens],
+                self._metadata(1, num_tokens, num_tokens, max_seq_len, 0))
+
+    def fill_capture_prefill(self, num_tokens: int) -> None:
+        """A harmless one-sequence prefill for graph capture: num_tokens tokens at positions 0.., their
+        context in block 0, written nowhere."""
+        self._device.zero_()
+        self._view("positions")[:num_tokens] = torch.arange(num_tokens, dtype=torch.int32, device=self._device.device)
+        self._view("slot_mapping")[:num_tokens].fill_(PAD_SLOT)
+        self._view("query_start_loc")[1] = num_tokens
+        self._view("seq_lens")[0] = num_tokens
+        self._view("prompt_lens")[0] = num_tokens
 
     def fill_capture_batch(self, rows: int) -> None:
         """A harmless decode batch for graph capture, which runs the kernels once: one-token contexts

@@ -78,8 +78,12 @@ class Worker:
         inputs = self._step_inputs(config, plan.max_model_len)
         graphs = None
         if device.type == "cuda" and not config.enforce_eager and getattr(self.model, "supports_cuda_graphs", True):
-            from pagedserve.worker.cuda_graphs import CudaGraphs
-            graphs = CudaGraphs(self.model, kv_cache, inputs, config.max_num_seqs, plan.max_model_len)
+            from pagedserve.worker.cuda_graphs import PREFILL_GRAPH_TOKENS, CudaGraphs
+            # Prefill graphs on one GPU only: captured over a tensor-parallel group's collectives they are
+            # not yet run on several GPUs (decode graphs are).
+            prefill_tokens = 0 if parallel.is_parallel else PREFILL_GRAPH_TOKENS
+            graphs = CudaGraphs(self.model, kv_cache, inputs, config.max_num_seqs, plan.max_model_len,
+                                prefill_tokens=prefill_tokens)
         # Packed weights: every matrix product runs in our ops' pool; torch keeps only light work.
         self.runner = ModelRunner(self.model, kv_cache, self.sampler, inputs, graphs=graphs,
                                   torch_threads=1 if packed else None)
