@@ -31,6 +31,33 @@ def test_packed_linear_matches_float64(cpu_isa, rows, out_features, in_features,
     torch.testing.assert_close(out.double(), expected, rtol=2e-5, atol=2e-5 * max(1.0, in_features ** 0.5))
 
 
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 80, 576), (2, 48, 65), (13, 40, 65), (64, 16, 96)])
+def test_packed_linear_is_one_fma_at_a_time_in_k_order(cpu_isa, rows, out_features, in_features):
+    """The AVX2 and AVX-512 kernels (and the portable loop where the compiler fuses its multiply-adds) add each
+    output's products in K order, one fused multiply-add each, whatever their row blocks: so every row's result
+    is bit for bit that of a plain loop, alone or in any batch. (AMX splits x into three bf16 terms and the
+    baseline level has no FMA: both differ in the last bits.)"""
+    if cpu_isa in ("amx", "baseline"):
+        pytest.skip(f"{cpu_isa} rounds differently by design")
+    generator = torch.Generator().manual_seed(rows + in_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16)
+    bias = torch.randn(out_features, generator=generator)
+    out = torch.empty(rows, out_features)
+    ops.packed_linear(out, x, ops.pack_linear_weight(weight.float()), bias)
+    # One float32 rounding per step: the bf16 x float32 product and the float32 sum are exact in float64 but for
+    # (probability ~2**-29 a step) a double rounding.
+    acc = torch.zeros(rows, out_features, dtype=torch.float64)
+    w, xs = weight.double(), x.double()
+    for k in range(in_features):
+        acc = (xs[:, k:k + 1] * w[:, k] + acc).float().double()
+    expected = (acc.float() + bias).float()
+    assert torch.equal(out, expected)
+    alone = torch.empty(1, out_features)
+    ops.packed_linear(alone, x[-1:], ops.pack_linear_weight(weight.float()), bias)
+    assert torch.equal(alone, out[-1:])
+
+
 def test_packed_linear_is_float32_exact_in_the_activations():
     """x is not rounded to bf16 anywhere (the AMX kernel splits it into three bf16 terms):
     a weight of ones sums x to float32 accuracy, far below bf16's 2**-8."""

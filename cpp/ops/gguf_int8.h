@@ -1,8 +1,9 @@
 // The int8-activation kernels of gguf_linear (gguf_ops.h), for CPUs with
-// AVX512_VNNI: each row of x is quantized to int8 per 32-element block (one
-// float scale per block, as llama.cpp's Q8_0 activations), and the GGUF
-// blocks' integer codes are multiplied by it with vpdpbusd, 4 code pairs per
-// int32 lane, then scaled in float32 once per block.
+// AVX2 or AVX512_VNNI: each row of x is quantized to int8 per 32-element block
+// (one float scale per block, as llama.cpp's Q8_0 activations), and the GGUF
+// blocks' integer codes are multiplied by it with vpdpbusd (or AVX2's
+// vpmaddubsw + vpmaddwd, the same sums), 4 code pairs per int32 lane, then
+// scaled in float32 once per block.
 //
 // Why: the float32 kernel (decode to float, then FMA) spends ~10 vector
 // instructions per 32 weights and streams Q4_1 blocks at ~9 GB/s per core;
@@ -37,8 +38,9 @@ struct LinearArgs {
 
 // Whether gguf_linear takes the int8-activation path for `type` (every format
 // of gguf_blocks.h: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): the kernels' ISA
-// level (cpu_isa()) AVX-512 or above, and the CPU has AVX512_VNNI (CPUID
-// leaf 7, ECX bit 11).
+// level (cpu_isa()) AVX2 or above. vpdpbusd where the level is AVX-512 and
+// the CPU has AVX512_VNNI (CPUID leaf 7, ECX bit 11), else AVX2's products;
+// both give the same bits.
 bool int8_activations_apply(BlockType type);
 
 // out = x W^T (+ bias) on that path; the caller checked the arguments.

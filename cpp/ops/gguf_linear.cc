@@ -7,9 +7,9 @@
 // step (M = 1) reads each weight byte once from memory, and a prefill decodes
 // each tile once per kRowChunk rows of x rather than once per row. These
 // float32 kernels keep the result within float32 rounding of the dequantized
-// matrix product; they run every format on CPUs without AVX512_VNNI (or below
-// the AVX-512 level). With VNNI, every format takes gguf_int8.h's
-// int8-activation kernels instead, for every M (batch invariant).
+// matrix product; they run every format below the AVX2 level. At AVX2 and
+// above, every format takes gguf_int8.h's int8-activation kernels instead,
+// for every M (batch invariant).
 //
 // Kernels: the decoders are gguf_blocks.h's loops, compiled per ISA level;
 // the dot products run as AVX-512 FMAs (4 rows of x x 4 weight rows = 16
@@ -259,7 +259,7 @@ void gguf_linear(const TensorView& out, const TensorView& x, const TensorView& b
   }
   const gguf::LinearArgs args{x.ptr<float>(), blocks.ptr<uint8_t>(), bias ? bias->ptr<float>() : nullptr,
                               out.ptr<float>(), rows, k_size, n_size, out.stride(0), blocks.size(1)};
-  if (gguf::int8_activations_apply(format.type)) {  // AVX512_VNNI: int8 activations (gguf_int8.h)
+  if (gguf::int8_activations_apply(format.type)) {  // AVX2 and above: int8 activations (gguf_int8.h)
     return gguf::linear_int8_activations(format.type, args);
   }
   const GgufProblem p{args, k_size / format.elems};

@@ -10,8 +10,13 @@
 //    a rate that leaves the step bound by streaming the weights.
 //  - AVX-512: widens each weight to float32 (one shift or mask per 16) and
 //    keeps a block of up to 12 rows of x in registers against two column tiles.
+//  - AVX2 (Zen 3, Haswell and later without AVX-512): the same against one
+//    column tile (two 8-lane halves), blocks of up to 6 rows: 12 accumulators,
+//    two widened weight vectors and a broadcast fill the 16 ymm registers.
 //  - portable: plain loops the compiler vectorizes (other ISAs; the oracle's
 //    second opinion in tests).
+// Every kernel adds each output's products in K order, one fused multiply-add
+// at a time, so all four give the same bits (tests_py/test_cpu_weight_packing.py).
 // Column tiles are split across threads; each tile's weights stay in L1/L2
 // while every row block of x passes over them.
 #include <algorithm>
@@ -42,6 +47,7 @@ constexpr int64_t kRowChunk = 128;
 // accumulators + 2 weight vectors + a broadcast fill the 32 zmm registers.
 constexpr int kBlockRows = 16;  // kAmxTileRows (tile_kernel_driver.h)
 constexpr int kAvx512BlockRows = 12;
+constexpr int kAvx2BlockRows = 6;
 constexpr int64_t kTileWords = kPackedCols;  // 32-bit words (bf16 pairs) per packed row
 
 struct LinearProblem {
@@ -141,6 +147,103 @@ template <int kRows>
   for (int r = 0; r < kRows; ++r) {
     store_row(p, t, row0 + r, acc[0][r]);
     if (pair) store_row(p, t + 1, row0 + r, acc[1][r]);
+  }
+}
+
+// out[row, tile t's cols] = (lo | hi) + bias, 8 + 8 lanes; a partial tile goes through a buffer.
+[[gnu::target("arch=x86-64-v3")]] PS_ALWAYS_INLINE void store_row_avx2(const LinearProblem& p, int64_t t, int64_t row,
+                                                                        __m256 lo, __m256 hi) {
+  const int64_t col0 = t * kPackedCols;
+  const int64_t valid = p.valid_cols(t);
+  alignas(32) float buf[kPackedCols];
+  float* dst = valid == kPackedCols ? p.out + row * p.out_features + col0 : buf;
+  if (p.bias != nullptr && valid == kPackedCols) {
+    lo = _mm256_add_ps(lo, _mm256_loadu_ps(p.bias + col0));
+    hi = _mm256_add_ps(hi, _mm256_loadu_ps(p.bias + col0 + 8));
+  }
+  _mm256_storeu_ps(dst, lo);
+  _mm256_storeu_ps(dst + 8, hi);
+  if (valid < kPackedCols) {
+    for (int64_t c = 0; c < valid; ++c) p.out[row * p.out_features + col0 + c] = buf[c] + p.bias_at(col0 + c);
+  }
+}
+
+// Eight packed words widened to float32: their low bf16 (even k) or high (odd k).
+[[gnu::target("arch=x86-64-v3")]] PS_ALWAYS_INLINE __m256 widened_bf16(const uint32_t* words, bool odd) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words));
+  return _mm256_castsi256_ps(odd ? _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u)))
+                                 : _mm256_slli_epi32(w, 16));
+}
+
+// Column tiles an AVX2 block of kRows rows takes side by side: each
+// accumulator is a chain of dependent FMAs (4 cycles each on Zen 3), so a
+// block needs about 8 of them to keep both FMA units busy; one or two rows
+// (a decode step) get them from more tiles. M = 1, Zen 3, the LM head
+// streamed from DRAM: 7.5 GB/s with one tile at a time.
+constexpr int avx2_tiles_per_block(int rows) { return rows == 1 ? 3 : rows == 2 ? 2 : 1; }
+
+// acc[r][i] += tile i's weights at `word` (their even or odd k) times x[r, k]: each output's products in K
+// order, one FMA at a time (as block_avx512 and tile_portable).
+template <int kRows, int kTiles>
+[[gnu::target("arch=x86-64-v3")]] PS_ALWAYS_INLINE void multiply_add_avx2(__m256 (&acc)[kRows][kTiles][2],
+                                                                           const uint32_t* const (&words)[kTiles],
+                                                                           int64_t word, const float* x,
+                                                                           int64_t k_size, int64_t k, bool odd) {
+  __m256 w[kTiles][2];
+#pragma GCC unroll 4
+  for (int i = 0; i < kTiles; ++i) {
+    w[i][0] = widened_bf16(words[i] + word, odd);
+    w[i][1] = widened_bf16(words[i] + word + 8, odd);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 xv = _mm256_broadcast_ss(x + r * k_size + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < kTiles; ++i) {
+      acc[r][i][0] = _mm256_fmadd_ps(w[i][0], xv, acc[r][i][0]);
+      acc[r][i][1] = _mm256_fmadd_ps(w[i][1], xv, acc[r][i][1]);
+    }
+  }
+}
+
+// Rows [row0, row0 + kRows) x column tiles [t, t + kTiles) on AVX2 + FMA;
+// tiles past `tiles` (the weight's end) repeat the last one and are not
+// stored. The weights' even (low half) and odd (high half) K are widened in
+// turn, so 2 kTiles weight vectors are live at a time.
+template <int kRows, int kTiles>
+[[gnu::target("arch=x86-64-v3")]] void block_avx2(const LinearProblem& p, int64_t t, int64_t tiles, int64_t row0) {
+  const int64_t k_size = p.in_features;
+  const uint32_t* words[kTiles];
+  for (int i = 0; i < kTiles; ++i) words[i] = p.tile(std::min(t + i, tiles - 1));
+  const float* x = p.x + row0 * k_size;
+  __m256 acc[kRows][kTiles][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    for (int i = 0; i < kTiles; ++i) acc[r][i][0] = acc[r][i][1] = _mm256_setzero_ps();
+  }
+  const int64_t full_pairs = k_size / 2;
+  for (int64_t kp = 0; kp < full_pairs; ++kp) {
+    multiply_add_avx2<kRows, kTiles>(acc, words, kp * kTileWords, x, k_size, 2 * kp, false);
+    multiply_add_avx2<kRows, kTiles>(acc, words, kp * kTileWords, x, k_size, 2 * kp + 1, true);
+  }
+  if (k_size % 2 != 0) {  // the last k of an odd K has no partner in x
+    multiply_add_avx2<kRows, kTiles>(acc, words, full_pairs * kTileWords, x, k_size, k_size - 1, false);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    for (int i = 0; i < kTiles && t + i < tiles; ++i) store_row_avx2(p, t + i, row0 + r, acc[r][i][0], acc[r][i][1]);
+  }
+}
+
+// Rows [row_begin, row_end) x tiles [tile_begin, tile_end): groups of tiles
+// (avx2_tiles_per_block of the rows), each against the rows in balanced
+// blocks of at most kAvx2BlockRows (every block then has the group's size).
+void tiles_avx2(const LinearProblem& p, int64_t tile_begin, int64_t tile_end, int64_t row_begin, int64_t row_end) {
+  const int64_t group = avx2_tiles_per_block(static_cast<int>(std::min<int64_t>(row_end - row_begin, 3)));
+  for (int64_t t = tile_begin; t < tile_end; t += group) {
+    for_row_blocks<kAvx2BlockRows>(row_begin, row_end, [&]<int kRows>(int64_t row0) {
+      block_avx2<kRows, avx2_tiles_per_block(kRows)>(p, t, tile_end, row0);
+    });
   }
 }
 
@@ -264,6 +367,10 @@ void run_tiles(const LinearProblem& p, int64_t tile_begin, int64_t tile_end, int
 #if PS_X86_MULTIVERSION
   if (cpu_isa() >= CpuIsa::kAvx512) {  // ranges start at even tiles (see run_row_chunk)
     for (int64_t t = tile_begin; t < tile_end; t += 2) tile_pair_avx512(p, t, row_begin, row_end);
+    return;
+  }
+  if (cpu_isa() == CpuIsa::kAvx2) {
+    tiles_avx2(p, tile_begin, tile_end, row_begin, row_end);
     return;
   }
 #endif

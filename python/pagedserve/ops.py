@@ -281,8 +281,8 @@ def packed_grouped_linear(out: torch.Tensor, x: torch.Tensor, packed_weight: tor
 def gguf_linear(out: torch.Tensor, x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
                 bias: Optional[torch.Tensor] = None) -> None:
     """out = x W^T (+ bias) in float32 on the CPU, W kept as GGUF blocks [N, row_bytes] uint8 of ggml type
-    ``ggml_type`` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; cpp/ops/gguf_blocks.h); with AVX512_VNNI, every format
-    rounds x to int8 per 32-element block first (cpp/ops/gguf_int8.h). x [M, K] float32; out [M, N]
+    ``ggml_type`` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; cpp/ops/gguf_blocks.h); at the AVX2 level and above, every
+    format rounds x to int8 per 32-element block first (cpp/ops/gguf_int8.h). x [M, K] float32; out [M, N]
     float32 with contiguous rows (a column slice of a wider tensor is fine)."""
     _cpu_ops.gguf_linear(_dl(out), _dl(x), _dl(blocks), int(ggml_type), None if bias is None else _dl(bias))
 

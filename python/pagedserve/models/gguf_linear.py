@@ -45,7 +45,7 @@ def merge_segments(segments: Sequence[Segment]) -> list[Segment]:
 
 class GgufLinear(LinearKernel):
     """y = x W^T (+ b) with W's rows as GGUF blocks (ops.gguf_linear: float32 arithmetic, or int8 activations
-    on AVX512_VNNI CPUs)."""
+    on AVX2 CPUs and above)."""
 
     def __init__(self, segments: Sequence[Segment]):
         self.segments = merge_segments(segments)
