@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve import ops
+from pagedserve import _core, ops
 from pagedserve.models.activations import GeluAndMul, activation
 from pagedserve.models.layers import Linear
 from pagedserve.models.linear_kernels import PackedBf16
@@ -39,6 +39,24 @@ def test_op_sums_in_float64(cpu_isa, rows, out_features, in_features):
     rounded = torch.full((rows, out_features), float("nan"))
     ops.packed_linear_float64_sums(rounded, x, packed, bias)
     assert torch.equal(rounded, sums.float() + bias)
+
+
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 40, 576), (4, 33, 7), (7, 16, 65)])
+def test_op_gives_the_same_bits_on_every_isa(cpu_isa, rows, out_features, in_features):
+    """Each kernel forms the even and odd chains of every column in K order (exact products), whatever its row
+    blocks and column halves: the float64 sums equal the portable loops' at the baseline level bit for bit."""
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(in_features))
+    packed = ops.pack_linear_weight(bf16_values(out_features, in_features, seed=3, scale=0.1))
+    sums = torch.empty(rows, out_features, dtype=torch.float64)
+    ops.packed_linear_float64_sums(sums, x, packed)
+    before = ops.cpu_isa()
+    _core.ops.set_cpu_isa("baseline")
+    try:
+        baseline = torch.empty_like(sums)
+        ops.packed_linear_float64_sums(baseline, x, packed)
+    finally:
+        _core.ops.set_cpu_isa(before)
+    assert torch.equal(sums, baseline)
 
 
 def test_op_rejects_a_bias_with_float64_sums():

@@ -25,10 +25,13 @@
 // then even + odd (two independent chains halve the multiply-add latency a
 // decode step's single row waits on; exact products make a fused multiply-add
 // and a multiply then add round alike). Kernels: AVX-512 (a column tile as two
-// vectors of 8 doubles, up to 6 rows of x in registers) and portable loops.
+// vectors of 8 doubles, up to 6 rows of x in registers), AVX2 (a tile as two
+// halves of 8 columns, each two vectors of 4 doubles: up to 3 rows against one
+// half, or one row against both) and portable loops.
 #include <algorithm>
 #include <bit>
 #include <optional>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -47,6 +50,8 @@ namespace {
 constexpr int64_t kRowChunk = 128;  // rows of x that every weight tile passes over while it is in cache
 // 6 rows x 4 vectors of accumulators + 4 weight vectors + 2 broadcasts = 30 of the 32 zmm registers.
 constexpr int kAvx512BlockRows = 6;
+// 3 rows x 2 halves (even, odd) x 2 vectors of 4 doubles + 2 weight vectors + a broadcast = 15 of 16 ymm.
+constexpr int kAvx2BlockRows = 3;
 constexpr int64_t kTileWords = kPackedCols;  // 32-bit words (bf16 pairs) per packed row
 
 struct Float64Problem {
@@ -155,6 +160,82 @@ template <int kRows>
   }
 }
 
+// Eight packed words (8 columns) widened to doubles: their even (low) or odd (high) bf16, columns 0-3 and 4-7.
+[[gnu::target("arch=x86-64-v3")]] PS_ALWAYS_INLINE void widen_avx2(const uint32_t* words, bool odd, __m256d& low,
+                                                                    __m256d& high) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words));
+  const __m256 f = _mm256_castsi256_ps(odd ? _mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xffff0000u)))
+                                           : _mm256_slli_epi32(w, 16));
+  low = _mm256_cvtps_pd(_mm256_castps256_ps128(f));
+  high = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
+}
+
+// The sums of rows [row0, row0 + kRows) x the columns of tile t's halves [half0, half0 + kHalves) (8 columns
+// each) into sums[r][8 half ..]: the even and odd chains of every column, then even + odd.
+// x: the block's rows of x as doubles ([kRows, K]), so each use is one broadcast load.
+template <int kRows, int kHalves>
+[[gnu::target("arch=x86-64-v3")]] void block_avx2(const Float64Problem& p, int64_t t, const double* x, int half0,
+                                                  double (&sums)[kRows][kPackedCols]) {
+  const int64_t k_size = p.in_features;
+  const uint32_t* words = p.tile(t) + 8 * half0;
+  __m256d acc[kRows][kHalves][2][2];  // [row][half][even, odd][columns 0-3, 4-7 of the half]
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    for (int h = 0; h < kHalves; ++h) acc[r][h][0][0] = acc[r][h][0][1] = acc[r][h][1][0] = acc[r][h][1][1] =
+        _mm256_setzero_pd();
+  }
+  const int64_t full_pairs = k_size / 2;
+  for (int64_t kp = 0; kp <= full_pairs; ++kp) {
+#pragma GCC unroll 2
+    for (int parity = 0; parity < 2; ++parity) {
+      const int64_t k = 2 * kp + parity;
+      if (k >= k_size) break;  // the tail pair of an odd K has its even k alone
+      __m256d w[kHalves][2];
+#pragma GCC unroll 2
+      for (int h = 0; h < kHalves; ++h) widen_avx2(words + kp * kTileWords + 8 * h, parity != 0, w[h][0], w[h][1]);
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        const __m256d xv = _mm256_broadcast_sd(x + r * k_size + k);
+#pragma GCC unroll 2
+        for (int h = 0; h < kHalves; ++h) {
+          acc[r][h][parity][0] = _mm256_fmadd_pd(w[h][0], xv, acc[r][h][parity][0]);
+          acc[r][h][parity][1] = _mm256_fmadd_pd(w[h][1], xv, acc[r][h][parity][1]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    for (int h = 0; h < kHalves; ++h) {
+      double* out = sums[r] + 8 * (half0 + h);
+      _mm256_storeu_pd(out, _mm256_add_pd(acc[r][h][0][0], acc[r][h][1][0]));
+      _mm256_storeu_pd(out + 4, _mm256_add_pd(acc[r][h][0][1], acc[r][h][1][1]));
+    }
+  }
+}
+
+// Rows [row0, row0 + kRows) x tile t: one row takes both halves at once (8 independent chains for the
+// multiply-add latency a decode step waits on); more rows take the halves in turn.
+// The rows are widened to doubles once per tile (K / 4 conversions a row against 4 K multiply-adds; a float
+// broadcast per use cost a conversion each and ran the default model's o and down products at ~11 GFLOP/s
+// on Zen 3).
+template <int kRows>
+[[gnu::target("arch=x86-64-v3")]] void rows_avx2(const Float64Problem& p, int64_t t, int64_t row0) {
+  thread_local std::vector<double> widened;
+  const int64_t k_size = p.in_features;
+  widened.resize(static_cast<size_t>(kRows * k_size));
+  const float* x = p.x + row0 * k_size;
+  for (int64_t i = 0; i < kRows * k_size; ++i) widened[static_cast<size_t>(i)] = x[i];
+  double sums[kRows][kPackedCols];
+  if constexpr (kRows == 1) {
+    block_avx2<kRows, 2>(p, t, widened.data(), 0, sums);
+  } else {
+    block_avx2<kRows, 1>(p, t, widened.data(), 0, sums);
+    block_avx2<kRows, 1>(p, t, widened.data(), 1, sums);
+  }
+  for (int r = 0; r < kRows; ++r) p.store(t, row0 + r, sums[r]);
+}
+
 #pragma GCC diagnostic pop
 #endif
 
@@ -164,6 +245,12 @@ void run_tiles(const Float64Problem& p, int64_t tile_begin, int64_t tile_end, in
     for (int64_t t = tile_begin; t < tile_end; ++t) {
       for_row_blocks<kAvx512BlockRows>(row_begin, row_end,
                                        [&]<int kRows>(int64_t row0) { block_avx512<kRows>(p, t, row0); });
+    }
+    return;
+  }
+  if (cpu_isa() == CpuIsa::kAvx2) {
+    for (int64_t t = tile_begin; t < tile_end; ++t) {
+      for_row_blocks<kAvx2BlockRows>(row_begin, row_end, [&]<int kRows>(int64_t row0) { rows_avx2<kRows>(p, t, row0); });
     }
     return;
   }
