@@ -1,7 +1,8 @@
 """The matrix kernels of cpu_ops_bench.py: packed_linear (float32-exact), packed_linear_float64_sums (the
-row-parallel products under float32: float64 sums), packed_linear_bf16 (bf16 activations) and int8_linear
-(int8 channels) at SmolLM2-135M's projection shapes, as GB/s of weights streamed and GFLOP/s (2 M N K per
-product), per shape, batch size and mode.
+row-parallel products under float32: float64 sums), packed_linear_bf16 (bf16 activations), int8_linear
+(int8 channels) and gguf_linear on Q4_1 blocks (the default model's shipped file; the gguf package makes the
+blocks) at SmolLM2-135M's projection shapes, as GB/s of weights streamed and GFLOP/s (2 M N K per product),
+per shape, batch size and mode.
 
 At M = 1 a product reads each weight once and does two flops per weight: it is bound by memory
 bandwidth, and the figure to compare is GB/s against the LM head's (the largest matrix, the one that
@@ -57,11 +58,17 @@ def _kernels(weight: torch.Tensor, cold: bool) -> dict:
         turn["i"] += 1
         return items[turn["i"] % len(items)]
 
+    from gguf import GGMLQuantizationType, quants
+
+    q4_1 = [torch.from_numpy(quants.quantize(weight.numpy(), GGMLQuantizationType.Q4_1))]
+    q4_1 += [b.clone() for b in q4_1 * (_copies(q4_1[0].numel(), cold) - 1)]
+    q4_1_type = int(GGMLQuantizationType.Q4_1)
     return {"float32": (packed[0].numel() * 2, lambda out, x: ops.packed_linear(out, x, next_of(packed))),
             "float64_sums": (packed[0].numel() * 2,
                              lambda out, x: ops.packed_linear_float64_sums(out, x, next_of(packed))),
             "bfloat16": (packed[0].numel() * 2, lambda out, x: ops.packed_linear_bf16(out, x, next_of(packed))),
-            "int8": (q_bytes, lambda out, x: ops.int8_linear(out, x, next_of(q)))}
+            "int8": (q_bytes, lambda out, x: ops.int8_linear(out, x, next_of(q))),
+            "gguf_q4_1": (q4_1[0].numel(), lambda out, x: ops.gguf_linear(out, x, next_of(q4_1), q4_1_type))}
 
 
 def bench_linear(rows_list, repeats: int, min_seconds: float = 0.2, cold: bool = True) -> list[dict]:

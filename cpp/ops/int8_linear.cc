@@ -12,6 +12,13 @@
 // float32 (an FMA per block, in block order). Kernels, chosen at run time:
 //  - amx_int8: one s8 x u8 tile product per block (16 x 16 outputs);
 //  - avx512_vnni: `vpdpbusd`, 4 products per int32 lane, 64 per instruction;
+//  - avx2_maddubs (AVX2 without VNNI: Zen 3, Haswell and later): the same 4
+//    products per lane from vpmaddubsw + vpmaddwd. vpmaddubsw adds pairs in
+//    int16 with saturation, which u8 weights up to 255 could reach, so the
+//    weights are taken back to signed q (w ^ 0x80) and multiplied as
+//    |q| x sign(q) x (at most 2 x 127 x 127 a pair): the lanes hold
+//    sum q x, which is dot_b - 128 sum x exactly, and every float step after
+//    is vpdpbusd's;
 //  - <level>_int32: integer loops the compiler vectorizes (every other CPU).
 // Column tiles are split across threads and no K sum is, so every output is
 // the same whatever the thread count or the batch.
@@ -155,6 +162,70 @@ template <int kRows>
   }
 }
 
+// ---------------------------------------------------------------------------
+// AVX2: one column tile as two 8-lane halves, up to kAvx2Rows rows of x.
+
+constexpr int kAvx2Rows = 2;  // 2 x 2 int32 + 2 x 2 float accumulators + 4 weight vectors + x, sign < 16 ymm
+
+// The 32 bytes of 8 columns' words as |q| and q (signed: the stored u8 is q + 128).
+struct SignedWeights {
+  __m256i magnitude;
+  __m256i sign;
+};
+
+[[gnu::target("arch=x86-64-v3")]] PS_ALWAYS_INLINE SignedWeights signed_weights(const int32_t* words) {
+  const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words)),
+                                     _mm256_set1_epi8(static_cast<char>(0x80)));
+  return {_mm256_abs_epi8(q), q};
+}
+
+// dot + sum over each lane's 4 bytes of q x (no saturation: |q|, |x| <= 127).
+[[gnu::target("arch=x86-64-v3")]] PS_ALWAYS_INLINE __m256i dot_q(__m256i dot, const SignedWeights& w, __m256i x) {
+  return _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w.magnitude, _mm256_sign_epi8(x, w.sign)),
+                                                 _mm256_set1_epi16(1)));
+}
+
+// out[row, tile t] = acc * scales (+ bias), as store_row: a multiply, then an add.
+[[gnu::target("arch=x86-64-v3")]] PS_ALWAYS_INLINE void store_row_avx2(const Int8Problem& p, int64_t t, int64_t row,
+                                                                        const __m256 (&acc)[2]) {
+  const int64_t col0 = t * kInt8Cols;
+  alignas(32) float values[kInt8Cols];
+  for (int h = 0; h < 2; ++h) _mm256_store_ps(values + 8 * h, acc[h]);
+  for (int64_t c = 0; c < p.valid_cols(t); ++c) {
+    const float value = values[c] * p.scales[col0 + c];
+    p.out[row * p.out_features + col0 + c] = p.bias ? value + p.bias[col0 + c] : value;
+  }
+}
+
+template <int kRows>
+[[gnu::target("arch=x86-64-v3")]] void block_avx2(const Int8Problem& p, int64_t t, int64_t row0) {
+  const int32_t* words = p.tile(t);
+  const int8_t* x = p.x_row(row0);
+  const int64_t k_pad = p.k_pad();
+  __m256 acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.blocks(); ++b) {
+    __m256i dot[kRows][2];
+    for (int r = 0; r < kRows; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int64_t g = b * kInt8BlockGroups; g < (b + 1) * kInt8BlockGroups; ++g) {
+      const SignedWeights w[2] = {signed_weights(words + g * kTileWords), signed_weights(words + g * kTileWords + 8)};
+#pragma GCC unroll 4
+      for (int r = 0; r < kRows; ++r) {
+        int32_t word;  // x[4g .. 4g + 3] of row r
+        std::memcpy(&word, x + r * k_pad + 4 * g, sizeof(word));
+        const __m256i xr = _mm256_set1_epi32(word);
+        dot[r][0] = dot_q(dot[r][0], w[0], xr);
+        dot[r][1] = dot_q(dot[r][1], w[1], xr);
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {  // fold_block's steps; the lanes already hold dot - offset
+      const __m256 scale = _mm256_set1_ps(p.x_scale[(row0 + r) * p.blocks() + b]);
+      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), scale, acc[r][h]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) store_row_avx2(p, t, row0 + r, acc[r]);
+}
+
 void tile_pair_vnni(const Int8Problem& p, int64_t t, int64_t row_begin, int64_t row_end) {
   const bool pair = t + 1 < int8_col_tiles(p.out_features);
   for_row_blocks<kVecRows>(row_begin, row_end, [&]<int kRows>(int64_t row0) { block_vnni<kRows>(p, t, pair, row0); });
@@ -215,6 +286,14 @@ void run_pairs(const Int8Problem& p, int64_t pair_begin, int64_t pair_end, int64
   }
 #endif
   const int64_t tile_end = std::min(int8_col_tiles(p.out_features), 2 * pair_end);
+#if PS_X86_MULTIVERSION
+  if (cpu_isa() >= CpuIsa::kAvx2) {
+    for (int64_t t = 2 * pair_begin; t < tile_end; ++t) {
+      for_row_blocks<kAvx2Rows>(row_begin, row_end, [&]<int kRows>(int64_t row0) { block_avx2<kRows>(p, t, row0); });
+    }
+    return;
+  }
+#endif
   with_cpu_isa([&]() PS_INLINE_BODY {
     for (int64_t t = 2 * pair_begin; t < tile_end; ++t) tile_int32(p, t, row_begin, row_end);
   });
@@ -269,8 +348,8 @@ std::string_view int8_linear_kernel() {
   switch (cpu_isa()) {
     case CpuIsa::kAmx:
     case CpuIsa::kAvx512Bf16:
-    case CpuIsa::kAvx512: return "avx512_int32";
-    case CpuIsa::kAvx2: return "avx2_int32";
+    case CpuIsa::kAvx512:
+    case CpuIsa::kAvx2: return "avx2_maddubs";
     case CpuIsa::kBaseline: break;
   }
   return "baseline_int32";
