@@ -15,8 +15,10 @@
 //    two widened weight vectors and a broadcast fill the 16 ymm registers.
 //  - portable: plain loops the compiler vectorizes (other ISAs; the oracle's
 //    second opinion in tests).
-// Every kernel adds each output's products in K order, one fused multiply-add
-// at a time, so all four give the same bits (tests_py/test_cpu_weight_packing.py).
+// The AVX-512, AVX2 and portable kernels add each output's products in K
+// order, one fused multiply-add at a time, so they give the same bits (where
+// the compiler fuses the portable loop's; tests_py/test_cpu_weight_packing.py);
+// AMX's three bf16 terms sum in another order.
 // Column tiles are split across threads; each tile's weights stay in L1/L2
 // while every row block of x passes over them.
 #include <algorithm>
@@ -207,8 +209,8 @@ template <int kRows, int kTiles>
 }
 
 // Rows [row0, row0 + kRows) x column tiles [t, t + kTiles) on AVX2 + FMA;
-// tiles past `tiles` (the weight's end) repeat the last one and are not
-// stored. The weights' even (low half) and odd (high half) K are widened in
+// tiles past `tiles` (the end of this thread's range) repeat the last one and
+// are not stored. The weights' even (low half) and odd (high half) K are widened in
 // turn, so 2 kTiles weight vectors are live at a time.
 template <int kRows, int kTiles>
 [[gnu::target("arch=x86-64-v3")]] void block_avx2(const LinearProblem& p, int64_t t, int64_t tiles, int64_t row0) {
