@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The test command (README, .ci/run): installs what a fresh machine lacks,
-# builds, runs the GoogleTest suites with CTest in a plain and an
+# builds, runs the GoogleTest suites with CTest in an
 # AddressSanitizer + UndefinedBehaviorSanitizer build, runs the CUDA kernels
 # on the host emulator against the CPU ops (cuda/emulator, needs the CUDA
 # headers only), compiles the CUDA sources with nvcc when it is present (build
 # check only), then runs pytest against the installed package.
 #
 #   bash scripts/test.sh            everything
-#   SKIP_SANITIZER=1 bash scripts/test.sh
+#   SKIP_SANITIZER=1 bash scripts/test.sh     (GoogleTest in a plain build instead)
 #   SKIP_EMULATOR=1 bash scripts/test.sh      (never in CI: there the emulator must run)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,13 +46,15 @@ ctest_build() {  # name, extra cmake args...
   ctest --test-dir "$dir" --output-on-failure -j "$JOBS"
 }
 
-step "GoogleTest (plain build)"
-ctest_build test-plain
-
+# The suites run once, under the sanitizers (CMakeLists.txt builds them at -O1); the package itself was just
+# built at -O3 with the same warnings-as-errors. SKIP_SANITIZER=1 runs them in a plain build instead.
 if [ -z "${SKIP_SANITIZER:-}" ]; then
   step "GoogleTest (ASan + UBSan build)"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest_build test-sanitize -DPAGEDSERVE_SANITIZE=ON
+else
+  step "GoogleTest (plain build)"
+  ctest_build test-plain
 fi
 
 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
@@ -72,12 +74,26 @@ fi
 
 if command -v nvcc >/dev/null && ls cuda/*.cu >/dev/null 2>&1; then
   step "CUDA sources: nvcc build check (no GPU needed)"
-  cmake -S . -B build/cuda-check -G Ninja -DUSE_CUDA=ON -DPAGEDSERVE_BUILD_PYTHON=ON \
+  cmake -S . -B build/cuda-check -G Ninja -DUSE_CUDA=ON -DPAGEDSERVE_BUILD_PYTHON=ON -DCMAKE_OPTIMIZE_DEPENDENCIES=ON \
     -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" -DPython_EXECUTABLE="$(command -v python)" \
     -Dpybind11_DIR="$PYBIND11_DIR" >/dev/null
-  cmake --build build/cuda-check -j "$JOBS"
+  # The kernels and their bindings only (sm_90, warnings and spills as errors): the CPU ops and the other
+  # bindings were just built by pip, and the extension is linked on a GPU machine (scripts/gpu_check.sh).
+  cuda_objects=$(ninja -C build/cuda-check -t targets all \
+    | grep -oE '^CMakeFiles/(pagedserve_cuda\.dir/cuda|_core\.dir/cuda/bindings)/[^:]*\.o')
+  # shellcheck disable=SC2086
+  ninja -C build/cuda-check -j "$JOBS" $cuda_objects
 fi
 
-step "pytest"
+# Two workers on two cores (pytest-xdist), a test file each at a time so a file's module fixtures (servers,
+# loaded models) start once: 24 -> ~17 minutes on CI's 2-core Zen 3. Tests marked serial time the engine
+# and run alone afterwards.
+WORKERS=${PYTEST_WORKERS:-$((JOBS < 4 ? JOBS : 4))}
+step "pytest ($WORKERS workers)"
 cd "$ROOT"
-python -m pytest tests_py -q -p no:cacheprovider "$@"
+pytest_run() {  # pytest's exit 5 (no test selected, e.g. by a -k given to this script) is not a failure
+  python -m pytest tests_py -q -p no:cacheprovider "$@" || { local rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }
+}
+pytest_run -n "$WORKERS" --dist loadfile -m "not serial" "$@"
+step "pytest: tests that time the engine, alone"
+pytest_run -m serial "$@"

@@ -26,6 +26,8 @@ import pytest
 
 from pagedserve import LLM, SamplingParams
 
+pytestmark = pytest.mark.serial  # it times steps: scripts/test.sh runs it alone, after the parallel run
+
 BURN = "import os, sys\nos.sched_setaffinity(0, {int(c) for c in sys.argv[1:]})\nwhile True:\n    pass\n"
 ROUNDS, BATCH, TOKENS = 4, 8, 12
 

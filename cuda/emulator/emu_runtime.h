@@ -1,5 +1,6 @@
 // A host emulation of the CUDA execution model, enough for the kernels in
-// cuda/: each CTA runs as blockDim.x std::threads, one CTA at a time.
+// cuda/: each CTA runs as blockDim.x std::threads (a pool reused by every
+// CTA), one CTA at a time.
 // __syncthreads and the warp-wide operations (shuffles, ldmatrix, mma)
 // rendezvous on barriers; cp.async copies synchronously, so the emulator checks
 // indexing, masking and arithmetic, not the timing of the pipelines (that is
@@ -13,10 +14,14 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <semaphore>
 #include <thread>
 #include <vector>
 
@@ -57,6 +62,65 @@ inline long long num_ctas = 0;
 
 inline Warp& warp() { return current_cta->warps[static_cast<size_t>(warp_id)]; }
 
+// The OS threads that play a CTA's threads, made once and reused by every
+// CTA: thread t of the pool is threadIdx.x = t. Creating ~150 threads a CTA
+// for ~8,000 CTAs (and unmapping their stacks) was most of the emulator's
+// time in CI, two thirds of it in the kernel (2-core Zen 3: 352 s).
+class CtaThreads {
+ public:
+  CtaThreads() = default;
+  CtaThreads(const CtaThreads&) = delete;
+  CtaThreads& operator=(const CtaThreads&) = delete;
+  ~CtaThreads() {
+    for (auto& worker : workers_) {
+      worker->stop = true;
+      worker->go.release();
+    }
+    for (auto& worker : workers_) worker->thread.join();
+  }
+
+  // Runs body(t) on threads t = 0 .. count - 1 and returns when all have finished.
+  void run(int count, const std::function<void(int)>& body) {
+    while (static_cast<int>(workers_.size()) < count) add_worker();
+    body_ = &body;
+    remaining_.store(count);
+    for (int t = 0; t < count; ++t) workers_[static_cast<size_t>(t)]->go.release();
+    all_done_.acquire();
+  }
+
+ private:
+  struct Worker {
+    std::binary_semaphore go{0};
+    bool stop = false;
+    std::thread thread;
+  };
+
+  void add_worker() {
+    const int t = static_cast<int>(workers_.size());
+    auto worker = std::make_unique<Worker>();
+    Worker* w = worker.get();
+    worker->thread = std::thread([this, w, t] {
+      for (;;) {
+        w->go.acquire();
+        if (w->stop) return;
+        (*body_)(t);
+        if (remaining_.fetch_sub(1) == 1) all_done_.release();
+      }
+    });
+    workers_.push_back(std::move(worker));
+  }
+
+  std::vector<std::unique_ptr<Worker>> workers_;
+  const std::function<void(int)>* body_ = nullptr;
+  std::atomic<int> remaining_{0};
+  std::binary_semaphore all_done_{0};
+};
+
+inline CtaThreads& cta_threads() {
+  static CtaThreads threads;
+  return threads;
+}
+
 // Runs kernel() as every thread of every CTA of `grid`. Shared memory is
 // filled with 0xff (NaN in every float format) before each CTA.
 template <typename Kernel>
@@ -72,19 +136,15 @@ void launch(dim3 grid, dim3 block, size_t shared_bytes, Kernel kernel) {
         std::memset(emu_smem, 0xff, shared_bytes);
         Cta cta(threads);
         current_cta = &cta;
-        std::vector<std::thread> pool;
-        for (int t = 0; t < threads; ++t) {
-          pool.emplace_back([&, t] {
-            threadIdx = make_uint3(static_cast<unsigned>(t), 0, 0);
-            blockIdx = make_uint3(x, y, z);
-            lane_id = t % 32;
-            warp_id = t / 32;
-            kernel();
-            warp().barrier.arrive_and_drop();  // an exited thread stops counting, as on the GPU
-            cta.barrier.arrive_and_drop();
-          });
-        }
-        for (auto& thread : pool) thread.join();
+        cta_threads().run(threads, [&](int t) {
+          threadIdx = make_uint3(static_cast<unsigned>(t), 0, 0);
+          blockIdx = make_uint3(x, y, z);
+          lane_id = t % 32;
+          warp_id = t / 32;
+          kernel();
+          warp().barrier.arrive_and_drop();  // an exited thread stops counting, as on the GPU
+          cta.barrier.arrive_and_drop();
+        });
         current_cta = nullptr;
       }
     }
