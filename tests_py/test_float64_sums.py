@@ -41,7 +41,9 @@ def test_op_sums_in_float64(cpu_isa, rows, out_features, in_features):
     assert torch.equal(rounded, sums.float() + bias)
 
 
-@pytest.mark.parametrize("rows,out_features,in_features", [(1, 40, 576), (4, 33, 7), (7, 16, 65)])
+# Up to two row blocks per tile (weights widened at each use on AVX2), three or more (widened once per tile),
+# rows past the 128-row chunk (x widened once per chunk).
+@pytest.mark.parametrize("rows,out_features,in_features", [(1, 40, 576), (4, 33, 7), (7, 16, 65), (131, 20, 33)])
 def test_op_gives_the_same_bits_on_every_isa(cpu_isa, rows, out_features, in_features):
     """Each kernel forms the even and odd chains of every column in K order (exact products), whatever its row
     blocks and column halves: the float64 sums equal the portable loops' at the baseline level bit for bit."""

@@ -170,14 +170,63 @@ template <int kRows>
   high = _mm256_cvtps_pd(_mm256_extractf128_ps(f, 1));
 }
 
-// The sums of rows [row0, row0 + kRows) x the columns of tile t's halves [half0, half0 + kHalves) (8 columns
-// each) into sums[r][8 half ..]: the even and odd chains of every column, then even + odd.
-// x: the block's rows of x as doubles ([kRows, K]), so each use is one broadcast load.
-template <int kRows, int kHalves>
-[[gnu::target("arch=x86-64-v3")]] void block_avx2(const Float64Problem& p, int64_t t, const double* x, int half0,
-                                                  double (&sums)[kRows][kPackedCols]) {
-  const int64_t k_size = p.in_features;
-  const uint32_t* words = p.tile(t) + 8 * half0;
+// Where a block kernel gets the weights of column tile t as doubles, 8 columns (a half) at a time.
+// In registers: widened from the packed words at each use (one row block per tile: a decode step).
+struct WeightsFromWords {
+  const uint32_t* words;  // the tile's packed words
+  [[gnu::target("arch=x86-64-v3")]] PS_ALWAYS_INLINE void load(int64_t k, int half, __m256d& low,
+                                                              __m256d& high) const {
+    widen_avx2(words + (k / 2) * kTileWords + 8 * half, k % 2 != 0, low, high);
+  }
+};
+
+// Widened once per tile into a [K, 16] buffer, for tiles that several row blocks pass over: the widening is
+// then done once per tile instead of once per block (bench/results/zen3_avx2_session20.md).
+struct WeightsWidened {
+  const double* wide;  // [K, kPackedCols]
+  [[gnu::target("arch=x86-64-v3")]] PS_ALWAYS_INLINE void load(int64_t k, int half, __m256d& low,
+                                                              __m256d& high) const {
+    low = _mm256_loadu_pd(wide + k * kPackedCols + 8 * half);
+    high = _mm256_loadu_pd(wide + k * kPackedCols + 8 * half + 4);
+  }
+
+  [[gnu::target("arch=x86-64-v3")]] static void widen_tile(const uint32_t* words, int64_t k_size, double* wide) {
+    const WeightsFromWords from{words};
+    for (int64_t k = 0; k < k_size; ++k) {
+      for (int half = 0; half < 2; ++half) {
+        __m256d low, high;
+        from.load(k, half, low, high);
+        _mm256_storeu_pd(wide + k * kPackedCols + 8 * half, low);
+        _mm256_storeu_pd(wide + k * kPackedCols + 8 * half + 4, high);
+      }
+    }
+  }
+};
+
+// One k of a block: acc[r][h][kParity] += w(k, half0 + h) * x[r][k].
+template <int kParity, int kRows, int kHalves, typename Weights>
+[[gnu::target("arch=x86-64-v3")]] PS_ALWAYS_INLINE void step_avx2(__m256d (&acc)[kRows][kHalves][2][2],
+                                                                   const Weights& weights, const double* x,
+                                                                   int64_t k_size, int half0, int64_t k) {
+  __m256d w[kHalves][2];
+#pragma GCC unroll 2
+  for (int h = 0; h < kHalves; ++h) weights.load(k, half0 + h, w[h][0], w[h][1]);
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    const __m256d xv = _mm256_broadcast_sd(x + r * k_size + k);
+#pragma GCC unroll 2
+    for (int h = 0; h < kHalves; ++h) {
+      acc[r][h][kParity][0] = _mm256_fmadd_pd(w[h][0], xv, acc[r][h][kParity][0]);
+      acc[r][h][kParity][1] = _mm256_fmadd_pd(w[h][1], xv, acc[r][h][kParity][1]);
+    }
+  }
+}
+
+// The sums of rows [0, kRows) of x (doubles, [kRows, K]) x the columns of the halves [half0, half0 + kHalves)
+// of a tile (8 columns each) into sums[r][8 half ..]: the even and odd chains of every column, then even + odd.
+template <int kRows, int kHalves, typename Weights>
+[[gnu::target("arch=x86-64-v3")]] void block_avx2(const Weights& weights, const double* x, int64_t k_size,
+                                                  int half0, double (&sums)[kRows][kPackedCols]) {
   __m256d acc[kRows][kHalves][2][2];  // [row][half][even, odd][columns 0-3, 4-7 of the half]
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) {
@@ -185,25 +234,11 @@ template <int kRows, int kHalves>
         _mm256_setzero_pd();
   }
   const int64_t full_pairs = k_size / 2;
-  for (int64_t kp = 0; kp <= full_pairs; ++kp) {
-#pragma GCC unroll 2
-    for (int parity = 0; parity < 2; ++parity) {
-      const int64_t k = 2 * kp + parity;
-      if (k >= k_size) break;  // the tail pair of an odd K has its even k alone
-      __m256d w[kHalves][2];
-#pragma GCC unroll 2
-      for (int h = 0; h < kHalves; ++h) widen_avx2(words + kp * kTileWords + 8 * h, parity != 0, w[h][0], w[h][1]);
-#pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) {
-        const __m256d xv = _mm256_broadcast_sd(x + r * k_size + k);
-#pragma GCC unroll 2
-        for (int h = 0; h < kHalves; ++h) {
-          acc[r][h][parity][0] = _mm256_fmadd_pd(w[h][0], xv, acc[r][h][parity][0]);
-          acc[r][h][parity][1] = _mm256_fmadd_pd(w[h][1], xv, acc[r][h][parity][1]);
-        }
-      }
-    }
+  for (int64_t kp = 0; kp < full_pairs; ++kp) {
+    step_avx2<0>(acc, weights, x, k_size, half0, 2 * kp);
+    step_avx2<1>(acc, weights, x, k_size, half0, 2 * kp + 1);
   }
+  if (k_size % 2 != 0) step_avx2<0>(acc, weights, x, k_size, half0, k_size - 1);  // the last k has no partner
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) {
     for (int h = 0; h < kHalves; ++h) {
@@ -214,32 +249,51 @@ template <int kRows, int kHalves>
   }
 }
 
-// Rows [row0, row0 + kRows) x tile t: one row takes both halves at once (8 independent chains for the
-// multiply-add latency a decode step waits on); more rows take the halves in turn.
-// The rows are widened to doubles once per tile (K / 4 conversions a row against 4 K multiply-adds; a float
-// broadcast per use cost a conversion each and ran the default model's o and down products at ~11 GFLOP/s
-// on Zen 3).
-template <int kRows>
-[[gnu::target("arch=x86-64-v3")]] void rows_avx2(const Float64Problem& p, int64_t t, int64_t row0) {
-  thread_local std::vector<double> widened;
-  const int64_t k_size = p.in_features;
-  widened.resize(static_cast<size_t>(kRows * k_size));
-  const float* x = p.x + row0 * k_size;
-  for (int64_t i = 0; i < kRows * k_size; ++i) widened[static_cast<size_t>(i)] = x[i];
+// Rows [row0, row0 + kRows) (x: theirs, as doubles) x tile t: one row takes both halves at once (8
+// independent chains for the multiply-add latency a decode step waits on); more rows take the halves in turn.
+template <int kRows, typename Weights>
+[[gnu::target("arch=x86-64-v3")]] void rows_avx2(const Float64Problem& p, int64_t t, int64_t row0, const double* x,
+                                                 const Weights& weights) {
   double sums[kRows][kPackedCols];
   if constexpr (kRows == 1) {
-    block_avx2<kRows, 2>(p, t, widened.data(), 0, sums);
+    block_avx2<kRows, 2>(weights, x, p.in_features, 0, sums);
   } else {
-    block_avx2<kRows, 1>(p, t, widened.data(), 0, sums);
-    block_avx2<kRows, 1>(p, t, widened.data(), 1, sums);
+    block_avx2<kRows, 1>(weights, x, p.in_features, 0, sums);
+    block_avx2<kRows, 1>(weights, x, p.in_features, 1, sums);
   }
   for (int r = 0; r < kRows; ++r) p.store(t, row0 + r, sums[r]);
+}
+
+// Tiles [tile_begin, tile_end) x rows [row_begin, row_end), whose x the caller widened to doubles once
+// (x_wide: [rows, K] from row_begin; a float broadcast per use cost a conversion each and ran the default
+// model's o and down products at ~11 GFLOP/s on Zen 3).
+[[gnu::target("arch=x86-64-v3")]] void tiles_avx2(const Float64Problem& p, const double* x_wide, int64_t tile_begin,
+                                                  int64_t tile_end, int64_t row_begin, int64_t row_end) {
+  const int64_t k_size = p.in_features;
+  // Three row blocks or more share a widened tile; fewer widen at each use (Zen 3: 2 blocks ran 0.75-0.85x
+  // through the buffer, 6 blocks 1.05-1.2x, 22 blocks 1.15-1.45x).
+  const bool widen_per_use = row_end - row_begin <= 2 * kAvx2BlockRows;
+  thread_local std::vector<double> wide;
+  if (!widen_per_use) wide.resize(static_cast<size_t>(k_size * kPackedCols));
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    if (!widen_per_use) WeightsWidened::widen_tile(p.tile(t), k_size, wide.data());
+    for_row_blocks<kAvx2BlockRows>(row_begin, row_end, [&]<int kRows>(int64_t row0) {
+      const double* x = x_wide + (row0 - row_begin) * k_size;
+      if (widen_per_use) {
+        rows_avx2<kRows>(p, t, row0, x, WeightsFromWords{p.tile(t)});
+      } else {
+        rows_avx2<kRows>(p, t, row0, x, WeightsWidened{wide.data()});
+      }
+    });
+  }
 }
 
 #pragma GCC diagnostic pop
 #endif
 
-void run_tiles(const Float64Problem& p, int64_t tile_begin, int64_t tile_end, int64_t row_begin, int64_t row_end) {
+// x_wide: rows [row_begin, row_end) of x as doubles where the AVX2 kernel runs (uses_widened_x), else null.
+void run_tiles(const Float64Problem& p, const double* x_wide, int64_t tile_begin, int64_t tile_end,
+               int64_t row_begin, int64_t row_end) {
 #if PS_X86_MULTIVERSION
   if (cpu_isa() >= CpuIsa::kAvx512) {  // AMX has no float64 products: its machines run this too
     for (int64_t t = tile_begin; t < tile_end; ++t) {
@@ -249,12 +303,11 @@ void run_tiles(const Float64Problem& p, int64_t tile_begin, int64_t tile_end, in
     return;
   }
   if (cpu_isa() == CpuIsa::kAvx2) {
-    for (int64_t t = tile_begin; t < tile_end; ++t) {
-      for_row_blocks<kAvx2BlockRows>(row_begin, row_end, [&]<int kRows>(int64_t row0) { rows_avx2<kRows>(p, t, row0); });
-    }
+    tiles_avx2(p, x_wide, tile_begin, tile_end, row_begin, row_end);
     return;
   }
 #endif
+  (void)x_wide;
   with_cpu_isa([&]() PS_INLINE_BODY {
     for (int64_t t = tile_begin; t < tile_end; ++t) tile_portable(p, t, row_begin, row_end);
   });
@@ -283,12 +336,15 @@ void packed_linear_float64_sums(const TensorView& out, const TensorView& x, cons
                          out_features,
                          packed_k_pairs(x.size(1))};
   const int64_t tiles = packed_col_tiles(out_features);
+  const bool widened_x = PS_X86_MULTIVERSION && cpu_isa() == CpuIsa::kAvx2;
+  std::vector<double> x_wide;
   for (int64_t row_begin = 0; row_begin < rows; row_begin += kRowChunk) {
     const int64_t row_end = std::min(rows, row_begin + kRowChunk);
+    if (widened_x) x_wide.assign(p.x + row_begin * p.in_features, p.x + row_end * p.in_features);
     // Work units (parallel.h): an 8-lane multiply-add is about one, so is streaming one weight.
     const int64_t work_per_tile = ((row_end - row_begin) * 4 + kPackedCols) * p.in_features;
     parallel_for_range(tiles, work_per_tile, [&](int64_t tile_begin, int64_t tile_end) {
-      run_tiles(p, tile_begin, tile_end, row_begin, row_end);
+      run_tiles(p, widened_x ? x_wide.data() : nullptr, tile_begin, tile_end, row_begin, row_end);
     });
   }
 }
