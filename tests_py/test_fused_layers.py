@@ -161,6 +161,14 @@ def test_default_model_bit_identical(default_model):
     assert_bit_identical(default_model, prompts_for(default_model.config.vocab_size), num_blocks=64)
 
 
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_default_model_long_prefill_bit_identical(default_model_path, precision):
+    """A first step of 546 tokens: the stack runs its MLP over 256 rows at a time (kMlpRows: 256 + 256 + 34),
+    the per-op path over all of them at once."""
+    model = packed_model(default_model_path, precision)
+    assert_bit_identical(model, prompts_for(model.config.vocab_size, (300, 5, 1, 240, 30)), num_blocks=176)
+
+
 def test_default_model_bf16_activations_bit_identical(default_model_path):
     """cpu_precision "bfloat16" (the CPU default where a bf16 dot product exists): the stack runs
     packed_linear_bf16 as PackedBf16Activations does."""
