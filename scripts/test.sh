@@ -87,13 +87,13 @@ fi
 
 # Two workers on two cores (pytest-xdist), a test file each at a time so a file's module fixtures (servers,
 # loaded models) start once: 24 -> ~17 minutes on CI's 2-core Zen 3. Tests marked serial time the engine
-# and run alone afterwards.
+# and run alone afterwards. The 25 slowest tests are listed at the end, to see where CI's time goes.
 WORKERS=${PYTEST_WORKERS:-$((JOBS < 4 ? JOBS : 4))}
 step "pytest ($WORKERS workers)"
 cd "$ROOT"
 pytest_run() {  # pytest's exit 5 (no test selected, e.g. by a -k given to this script) is not a failure
   python -m pytest tests_py -q -p no:cacheprovider "$@" || { local rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }
 }
-pytest_run -n "$WORKERS" --dist loadfile -m "not serial" "$@"
+pytest_run -n "$WORKERS" --dist loadfile -m "not serial" --durations=25 "$@"
 step "pytest: tests that time the engine, alone"
 pytest_run -m serial "$@"
