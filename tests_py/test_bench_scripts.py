@@ -166,6 +166,14 @@ def test_step_overhead_bench_quick(tmp_path):
     assert (fused["path"], per_op["path"]) == ("fused", "per-op") and fused["batch"] == per_op["batch"] == 1
     assert fused["ms_per_step"] > 0 and per_op["ms_per_step"] > 0 and len(fused["rounds_ms"]) == data["rounds"]
     assert fused["op_calls"] < 10 < 30 * 10 < per_op["op_calls"], "one call for the layers, ~11 per layer"
+
+
+def test_step_overhead_bench_int8_quick(tmp_path):
+    """int8 channels run in the stack too: one op call for the layers."""
+    run_script("perf/step_overhead_bench.py", "--quick", "--quantization", "int8", "--out", str(tmp_path))
+    fused, per_op = load(tmp_path, "step_overhead_default_int8_quick")["rows"]
+    assert fused["quantization"] == per_op["quantization"] == "int8"
+    assert fused["op_calls"] < 10 < 30 * 10 < per_op["op_calls"], "one call for the layers, ~11 per layer"
 def test_cpu_serving_bench_quick(tmp_path):
     run_script("perf/cpu_serving_bench.py", "--quick", "--out", str(tmp_path), timeout=600)
     data = load(tmp_path, "cpu_serving_quick")

@@ -115,9 +115,9 @@ def assert_bit_identical(model, prompts, num_blocks: int = 96) -> None:
     assert torch.equal(*caches), "the KV caches differ"
 
 
-def packed_model(path, precision: str = "float32"):
+def packed_model(path, precision: str = "float32", quantization: str = "none"):
     model = build_model(ModelConfig.from_model_dir(path, dtype="float32", device="cpu"), "cpu")
-    assert pack_cpu_weights(model, "auto", precision)
+    assert pack_cpu_weights(model, "auto", precision, quantization)
     return model
 
 
@@ -161,12 +161,19 @@ def test_default_model_bit_identical(default_model):
     assert_bit_identical(default_model, prompts_for(default_model.config.vocab_size), num_blocks=64)
 
 
-@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
-def test_default_model_long_prefill_bit_identical(default_model_path, precision):
+@pytest.mark.parametrize("precision, quantization", [("float32", "none"), ("bfloat16", "none"), ("float32", "int8")])
+def test_default_model_long_prefill_bit_identical(default_model_path, precision, quantization):
     """A first step of 546 tokens: the stack runs its MLP over 256 rows at a time (kMlpRows: 256 + 256 + 34),
     the per-op path over all of them at once."""
-    model = packed_model(default_model_path, precision)
+    model = packed_model(default_model_path, precision, quantization)
     assert_bit_identical(model, prompts_for(model.config.vocab_size, (300, 5, 1, 240, 30)), num_blocks=176)
+
+
+def test_int8_channels_bit_identical(case_dir):
+    """--quantization int8 (Int8Linear): every linear as int8 channels, int8_linear in the stack."""
+    model = packed_model(case_dir, quantization="int8")
+    assert {type(layer.mlp.down_proj.kernel).__name__ for layer in model.model.layers} == {"Int8Linear"}
+    assert_bit_identical(model, prompts_for(model.config.vocab_size))
 
 
 def test_default_model_bf16_activations_bit_identical(default_model_path):
@@ -176,13 +183,14 @@ def test_default_model_bf16_activations_bit_identical(default_model_path):
     assert_bit_identical(model, prompts_for(model.config.vocab_size), num_blocks=64)
 
 
-def test_engine_fused_and_per_op_give_identical_outputs(default_model_path):
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_engine_fused_and_per_op_give_identical_outputs(default_model_path, quantization):
     prompts = [{"prompt_token_ids": p} for p in prompts_for(49152, (9, 30, 2))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     results = {}
     for fused in (True, False):
         llm = LLM(str(default_model_path), device="cpu", cpu_fused_layers=fused, max_model_len=256,
-                  max_num_batched_tokens=16, max_num_seqs=4)
+                  max_num_batched_tokens=16, max_num_seqs=4, quantization=quantization)
         assert (llm.llm_engine.worker.model.model.fused is not None) is fused
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[fused] = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()}

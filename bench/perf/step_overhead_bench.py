@@ -9,6 +9,7 @@ the median and the minimum over rounds of each round's median step.
     python bench/perf/step_overhead_bench.py                 # SmolLM2-135M, batch 1 and 16, 7 rounds
     python bench/perf/step_overhead_bench.py --quick         # batch 1, 2 rounds of 8 steps
     python bench/perf/step_overhead_bench.py --shape qwen3-0.6b --batch 1 4   # dummy bf16 weights
+    python bench/perf/step_overhead_bench.py --quantization int8 --batch 1 4 16 64   # int8 channels
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ WARMUP_STEPS = 4  # the prefill, then decodes until the pools and allocator sett
 COUNTED_STEPS = 4  # decode steps run under cProfile to count calls
 
 
-def make_engine(shape: str, batch: int, fused: bool, total_steps: int):
+def make_engine(shape: str, batch: int, fused: bool, total_steps: int, quantization: str = "none"):
     from pagedserve import LLMEngine, SamplingParams
     from pagedserve.models.default_model import default_model_dir
 
@@ -37,7 +38,7 @@ def make_engine(shape: str, batch: int, fused: bool, total_steps: int):
                                    else (shape_dir(shape), "dummy", "bfloat16"))  # dummy weights: pack anyway
     engine = LLMEngine(model=str(model), load_format=load_format, device="cpu", cpu_weight_dtype=weights,
                        cpu_fused_layers=fused, max_num_seqs=max(batch, 8), max_model_len=1024,
-                       kv_cache_memory_gb=0.25)
+                       kv_cache_memory_gb=0.25, quantization=quantization)
     if (engine.worker.model.model.fused is not None) is not fused:
         raise SystemExit(f"cpu_fused_layers={fused} did not take effect for {shape} (see the log for why)")
     params = SamplingParams(temperature=0.0, max_tokens=total_steps + 16, ignore_eos=True)
@@ -74,9 +75,9 @@ def calls_per_step(engine) -> dict:
             "c_calls": sum(builtin.values()) / COUNTED_STEPS}
 
 
-def measure(shape: str, batch: int, rounds: int, steps: int) -> list[dict]:
+def measure(shape: str, batch: int, rounds: int, steps: int, quantization: str = "none") -> list[dict]:
     total = rounds * steps + COUNTED_STEPS + 8
-    engines = {"fused": make_engine(shape, batch, True, total), "per-op": make_engine(shape, batch, False, total)}
+    engines = {path: make_engine(shape, batch, path == "fused", total, quantization) for path in ("fused", "per-op")}
     per_round: dict[str, list[float]] = {mode: [] for mode in engines}
     for r in range(rounds):
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
@@ -85,7 +86,7 @@ def measure(shape: str, batch: int, rounds: int, steps: int) -> list[dict]:
     rows = []
     for mode, engine in engines.items():
         ms = statistics.median(per_round[mode])
-        rows.append({"model": shape, "batch": batch, "path": mode, "ms_per_step": ms,
+        rows.append({"model": shape, "quantization": quantization, "batch": batch, "path": mode, "ms_per_step": ms,
                      "min_ms_per_step": min(per_round[mode]), "tok_per_s": batch * 1e3 / ms,
                      **calls_per_step(engine), "rounds_ms": per_round[mode]})
         engine.shutdown()
@@ -103,16 +104,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="default 7 (--quick: 2)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per engine per round (default 32, "
                                                             "--quick: 8)")
+    ap.add_argument("--quantization", default="none", choices=("none", "int8"), help="the weights' format "
+                                                                                     "(EngineConfig.quantization)")
     args = ap.parse_args()
     batches = args.batch or ([1] if args.quick else [1, 16])
     rounds = args.rounds or (2 if args.quick else 7)
     steps = args.steps or (8 if args.quick else 32)
-    rows = [row for batch in batches for row in measure(args.shape, batch, rounds, steps)]
-    columns = ["model", "batch", "path", "ms_per_step", "min_ms_per_step", "tok_per_s", "speedup", "core_calls",
-               "op_calls", "c_calls"]
+    rows = [row for batch in batches for row in measure(args.shape, batch, rounds, steps, args.quantization)]
+    columns = ["model", "quantization", "batch", "path", "ms_per_step", "min_ms_per_step", "tok_per_s", "speedup",
+               "core_calls", "op_calls", "c_calls"]
     table = markdown_table(rows, columns)
     print(table)
-    save(f"step_overhead_{args.shape}" + ("_quick" if args.quick else ""),
+    suffix = ("" if args.quantization == "none" else f"_{args.quantization}") + ("_quick" if args.quick else "")
+    save(f"step_overhead_{args.shape}" + suffix,
          {"rounds": rounds, "steps_per_round": steps, "rows": rows},
          "## CPU decode step: every layer in one C++ call vs per-op\n\n"
          f"{rounds} interleaved rounds of {steps} decode steps per engine; ms_per_step: median over rounds of "

@@ -38,7 +38,7 @@ class PyDecoderStack {
                  const OptionalCapsule& o_bias, const py::capsule& post_attention_norm, float post_attention_eps,
                  const py::capsule& gate_up, const OptionalCapsule& gate_up_bias, const py::capsule& down,
                  const OptionalCapsule& down_bias, ops::LinearFormat format, const std::vector<int64_t>& ggml_types,
-                 bool output_float64_sums) {
+                 bool output_float64_sums, const std::vector<py::capsule>& int8_scales) {
     const int64_t hidden = shape_.hidden_size;
     const int64_t q_size = shape_.num_heads * shape_.head_dim;
     const int64_t qkv_out = q_size + 2 * shape_.num_kv_heads * shape_.head_dim;
@@ -58,13 +58,18 @@ class PyDecoderStack {
     if (format == ops::LinearFormat::kGguf && ggml_types.size() != 4) {
       throw std::invalid_argument("DecoderStack.add_layer: GGUF linears need ggml_types for qkv, o, gate_up, down");
     }
+    if (format == ops::LinearFormat::kInt8 && int8_scales.size() != 4) {
+      throw std::invalid_argument("DecoderStack.add_layer: int8 linears need int8_scales for qkv, o, gate_up, down");
+    }
     if (output_float64_sums && format != ops::LinearFormat::kPackedBf16) {
       throw std::invalid_argument("DecoderStack.add_layer: output_float64_sums needs the packed_bf16 format");
     }
     size_t which = 0;
     for (ops::LinearWeights* w : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down}) {
       w->format = format;
-      if (format == ops::LinearFormat::kGguf) w->ggml_type = ggml_types[which++];
+      if (format == ops::LinearFormat::kGguf) w->ggml_type = ggml_types[which];
+      if (format == ops::LinearFormat::kInt8) w->scales = keep(int8_scales[which], "int8_scales");
+      ++which;
     }
     if (output_float64_sums) layer.o.format = layer.down.format = ops::LinearFormat::kPackedBf16Float64Sums;
     stack_->add_layer(layer);
@@ -118,7 +123,8 @@ void bind_decoder_stack(py::module_& m) {
              "packed_linear_bf16: bf16 tiles, bf16-rounded activations")
       .value("gguf", ops::LinearFormat::kGguf, "gguf_linear: GGUF blocks of one ggml type per linear")
       .value("packed_bf16_float64_sums", ops::LinearFormat::kPackedBf16Float64Sums,
-             "packed_linear_float64_sums: bf16 tiles, float32 activations, float64 sums");
+             "packed_linear_float64_sums: bf16 tiles, float32 activations, float64 sums")
+      .value("int8", ops::LinearFormat::kInt8, "int8_linear: int8 channels (quantize_int8_weight) and their scales");
 
   py::class_<ops::DecoderShape>(m, "DecoderShape",
                                 "The sizes of a DecoderStack's layers: hidden, heads, kv heads, head dim, MLP.")
@@ -144,10 +150,11 @@ void bind_decoder_stack(py::module_& m) {
            py::arg("post_attention_norm"), py::arg("post_attention_eps"), py::arg("gate_up"),
            py::arg("gate_up_bias"), py::arg("down"), py::arg("down_bias"),
            py::arg("linear_format") = ops::LinearFormat::kPackedBf16, py::arg("ggml_types") = std::vector<int64_t>{},
-           py::arg("output_float64_sums") = false,
+           py::arg("output_float64_sums") = false, py::arg("int8_scales") = std::vector<py::capsule>{},
            "Appends the next layer: norm weights, linear weights in linear_format (packed_bf16: from "
-           "pack_linear_weight; gguf: blocks, with ggml_types for qkv, o, gate_up, down) and biases, "
-           "the rope table (None: no rope) and the attention's scale, window and softcap. "
+           "pack_linear_weight; gguf: blocks, with ggml_types for qkv, o, gate_up, down; int8: packed channels, "
+           "with int8_scales for qkv, o, gate_up, down) and biases, the rope table (None: no rope) and the "
+           "attention's scale, window and softcap. "
            "output_float64_sums: o and down sum in float64 (packed_linear_float64_sums; packed_bf16 only).")
       .def("forward", &PyDecoderStack::forward, py::arg("out"), py::arg("input_ids"), py::arg("rope_positions"),
            py::arg("slot_mapping"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"),

@@ -89,6 +89,9 @@ void linear(const TensorView& out, const TensorView& x, const LinearWeights& w) 
     case LinearFormat::kPackedBf16Float64Sums:
       packed_linear_float64_sums(out, x, w.packed, w.bias);
       return;
+    case LinearFormat::kInt8:
+      int8_linear(out, x, w.packed, *w.scales, w.bias);
+      return;
   }
   fail_argument(kOp, "unknown linear format " + std::to_string(static_cast<int>(w.format)));
 }
@@ -166,6 +169,11 @@ void DecoderStack::add_layer(const DecoderLayerWeights& layer) {
       require_tensor_of(kOp, name, w.packed, Device::kCPU, 2, DType::kUInt8);
       require_size(kOp, name, w.packed, 0, out);
       PS_REQUIRE(dtype == DType::kFloat32, kOp, std::string(name) + ": GGUF blocks need float32 activations");
+    } else if (w.format == LinearFormat::kInt8) {  // int8_linear checks the tiles against K and N
+      require_tensor_of(kOp, name, w.packed, Device::kCPU, 3, DType::kInt32);
+      PS_REQUIRE(w.scales.has_value(), kOp, std::string(name) + ": int8 channels need their scales");
+      require_vector(std::string(name) + " scales", *w.scales, out, DType::kFloat32);
+      PS_REQUIRE(dtype == DType::kFloat32, kOp, std::string(name) + ": int8 channels need float32 activations");
     } else {
       require_tensor(kOp, name, w.packed, Device::kCPU, 3);
     }

@@ -18,7 +18,8 @@
 //
 // Weights are borrowed views (the caller keeps the tensors alive, see
 // bindings/bind_decoder_stack.cc). Linear weights are in packed_linear's bf16
-// tiles or a GGUF file's blocks (gguf_ops.h); `linear` in decoder_layer.cc is
+// tiles, a GGUF file's blocks (gguf_ops.h) or int8_linear's int8 channels;
+// `linear` in decoder_layer.cc is
 // the one place a product is computed. Activations take the final norm's
 // dtype; the KV cache is passed to the cache and attention ops as it is,
 // whatever its dtype.
@@ -44,13 +45,15 @@ enum class LinearFormat : uint8_t {
   kGguf,  // gguf_linear: a GGUF file's blocks of one ggml type, float32 activations (GgufLinear)
   kPackedBf16Float64Sums,  // packed_linear_float64_sums: bf16 tiles, float32 activations, float64 sums
                            // (PackedBf16 on a product tensor parallelism splits over its input: Linear.float64_sums)
+  kInt8,  // int8_linear: int8 channels and their scales, float32 activations quantized per 64-block (Int8Linear)
 };
 
 // One Linear: y = x W^T (+ bias), W [out_features, in_features] in `format`.
 struct LinearWeights {
   LinearFormat format = LinearFormat::kPackedBf16;
-  TensorView packed;  // the tiles, or kGguf's blocks [out_features, row bytes] uint8
+  TensorView packed;  // the tiles, kGguf's blocks [out_features, row bytes] uint8, or kInt8's int32 tiles
   int64_t ggml_type = -1;  // kGguf: the blocks' ggml type number (gguf_ops.h)
+  std::optional<TensorView> scales;  // kInt8: [out_features] float32, one per channel
   std::optional<TensorView> bias;  // [out_features]
   int64_t in_features = 0;
   int64_t out_features = 0;

@@ -9,8 +9,9 @@ states are bit-identical and a step crosses into C++ once.
 It applies to the standard pre-norm layer (Llama, Mistral, Qwen2, Qwen3, SmolLM2/3,
 Phi-3: RMSNorm, SiLU-gated MLP, optional q/k/v/o biases, q/k RMSNorm, layers without
 rope, sliding windows, one rope table) whose linears all use a kernel the stack knows
-(_LINEAR_FORMATS: the bf16 tiles CPU packing makes, or a GGUF file's blocks of one type
-per linear, its embedding table kept as blocks too). Anything else keeps the per-op
+(_LINEAR_FORMATS: the bf16 tiles CPU packing makes, a GGUF file's blocks of one type
+per linear, its embedding table kept as blocks too, or --quantization int8's channels under
+float32 activations). Anything else keeps the per-op
 path; the decision is made once, after the weights are packed. Under float32 the o and
 down products sum in float64 as the per-op path's do (Linear.float64_sums).
 """
@@ -30,6 +31,7 @@ from pagedserve.models.decoder import Attention, DecoderLayer, DecoderModel
 from pagedserve.models.mlp import MLP
 from pagedserve.models.layers import Embedding, Linear, PagedAttention, RMSNorm, RotaryEmbedding
 from pagedserve.models.gguf_linear import GgufLinear, GgufRows
+from pagedserve.models.int8_linear import Int8Linear
 from pagedserve.models.linear_kernels import PackedBf16, PackedBf16Activations, PackedBf16Rows
 
 logger = logging.getLogger("pagedserve")
@@ -38,7 +40,8 @@ logger = logging.getLogger("pagedserve")
 # differently, and then the layer keeps the per-op path).
 _LINEAR_FORMATS = {PackedBf16: _core.ops.LinearFormat.packed_bf16,
                    PackedBf16Activations: _core.ops.LinearFormat.packed_bf16_activations,
-                   GgufLinear: _core.ops.LinearFormat.gguf}
+                   GgufLinear: _core.ops.LinearFormat.gguf,
+                   Int8Linear: _core.ops.LinearFormat.int8}
 
 
 class FusedDecoderStack:
@@ -84,7 +87,8 @@ class FusedDecoderStack:
             down=_dl(weights[3]), down_bias=_optional(mlp.down_proj.bias),
             linear_format=_LINEAR_FORMATS[type(kernels[0])],
             ggml_types=[k.one_segment.ggml_type for k in kernels] if isinstance(kernels[0], GgufLinear) else [],
-            output_float64_sums=type(kernels[0]) is PackedBf16 and attn.o_proj.float64_sums)
+            output_float64_sums=type(kernels[0]) is PackedBf16 and attn.o_proj.float64_sums,
+            int8_scales=[_dl(k.weight.scales) for k in kernels] if isinstance(kernels[0], Int8Linear) else [])
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                  kv_cache: torch.Tensor) -> torch.Tensor:
@@ -98,8 +102,10 @@ class FusedDecoderStack:
 
 
 def _weight(kernel) -> torch.Tensor:
-    """The tensor the stack multiplies by: bf16 tiles, or a GgufLinear's one block matrix."""
-    return kernel.one_segment.weight if isinstance(kernel, GgufLinear) else kernel.packed
+    """The tensor the stack multiplies by: bf16 tiles, a GgufLinear's one block matrix, or int8 channels."""
+    if isinstance(kernel, GgufLinear):
+        return kernel.one_segment.weight
+    return kernel.weight.packed if isinstance(kernel, Int8Linear) else kernel.packed
 
 
 def _optional(tensor: Optional[torch.Tensor]):
@@ -117,6 +123,9 @@ def unfusable_reason(model: DecoderModel) -> Optional[str]:
                                                for layer in model.layers)
     if gguf and model.norm.weight.dtype != torch.float32:
         return "GGUF blocks need float32 activations"
+    int8 = any(isinstance(layer.self_attn.qkv_proj.kernel, Int8Linear) for layer in model.layers)
+    if int8 and model.norm.weight.dtype != torch.float32:
+        return "int8 channels need float32 activations"
     if type(model.embed_tokens) is not Embedding:  # e.g. a vocab-parallel shard, whose lookup all-reduces
         return f"the embedding is a {type(model.embed_tokens).__name__}"
     if model.embed_scale != 1.0:
