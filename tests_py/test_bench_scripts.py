@@ -44,7 +44,7 @@ SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py"
            "perf/cpu_dtype_bench.py", "perf/bench_sampler.py", "perf/cli_startup.py", "perf/structured_bench.py", "perf/moe_bench.py",
            "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py", "perf/small_batch_linear_bench.py",
            "perf/gguf_bench.py", "perf/cpu_serving_bench.py", "perf/cpu_rss_breakdown.py", "perf/tp_bench.py",
-           "perf/tp_comm_model.py", "perf/dp_engine_bench.py",
+           "perf/tp_comm_model.py", "perf/dp_engine_bench.py", "perf/cpu_weight_streaming.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/cpu_precision_agreement.py",
            "numerics/tp_agreement.py",
            "numerics/sdpa_numerics.py",
@@ -166,6 +166,16 @@ def test_step_overhead_bench_quick(tmp_path):
     assert (fused["path"], per_op["path"]) == ("fused", "per-op") and fused["batch"] == per_op["batch"] == 1
     assert fused["ms_per_step"] > 0 and per_op["ms_per_step"] > 0 and len(fused["rounds_ms"]) == data["rounds"]
     assert fused["op_calls"] < 10 < 30 * 10 < per_op["op_calls"], "one call for the layers, ~11 per layer"
+
+
+def test_cpu_weight_streaming_quick(tmp_path):
+    run_script("perf/cpu_weight_streaming.py", "--quick", "--out", str(tmp_path))
+    data = load(tmp_path, "cpu_weight_streaming_quick")
+    rows = {row["what"]: row for row in data["rows"]}
+    assert len(rows) == 5 and all(row["best_gb_s"] > 0 and row["best_ms"] <= row["median_ms"] for row in rows.values())
+    assert rows["read"]["share_of_read"] == 1.0
+    bf16, int8 = rows["packed_linear (float32 x)"], rows["int8_linear"]
+    assert bf16["mb_streamed"] == 2 * int8["mb_streamed"], "int8 channels are half the bytes of bf16 tiles"
 
 
 def test_step_overhead_bench_int8_quick(tmp_path):

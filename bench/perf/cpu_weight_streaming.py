@@ -1,0 +1,94 @@
+"""How close a batch-1 decode step's matrix products come to the memory bandwidth, on the CPU.
+
+A decode step of one sequence streams every weight once. This builds the default model's linears (SmolLM2-135M:
+30 layers of qkv, o, gate_up and down, and the LM head; random weights exact in bf16, 270 MB as bf16 tiles,
+135 MB as int8 channels, more than any L3 holds), runs them all at one row in each CPU format, and compares the
+bytes each format streams per second with a plain read (torch sum) and a copy of as many bytes as the bf16 tiles,
+on torch threads = --threads (pagedserve's own pool takes every core it may: pin the process, e.g. taskset -c 0,1,
+to measure a 2-core machine). Rounds interleave the formats; the best and the median round are reported.
+
+    python bench/perf/cpu_weight_streaming.py [--rounds 5] [--threads 2]
+    python bench/perf/cpu_weight_streaming.py --quick     # 4 layers, 2 rounds: checks the script works
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.report import arg_parser, markdown_table, save  # noqa: E402
+
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: [out, in]
+LM_HEAD = (49152, 576)
+FORMATS = ("packed_linear (float32 x)", "packed_linear_bf16 (bf16 x)", "int8_linear", "read", "copy")
+
+
+def build_weights(layers: int):
+    import torch
+
+    from pagedserve import ops
+
+    generator = torch.Generator().manual_seed(0)
+    weights = []
+    for n, k in [shape for _ in range(layers) for shape in LAYER_SHAPES] + [LM_HEAD]:
+        w = (torch.randn(n, k, generator=generator) * 0.02).bfloat16().float()
+        weights.append((n, k, ops.pack_linear_weight(w), ops.quantize_int8_weight(w), torch.randn(1, k),
+                        torch.empty(1, n)))
+    return weights
+
+
+def main() -> None:
+    ap = arg_parser(__doc__, "4 layers, 2 rounds: checks the script works")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for the read and the copy")
+    args = ap.parse_args()
+    import torch
+
+    from pagedserve import _core, ops
+
+    torch.set_num_threads(args.threads)
+    weights = build_weights(4 if args.quick else 30)
+    bf16_bytes = sum(2 * n * k for n, k, *_ in weights)
+    int8_bytes = sum(n * k for n, k, *_ in weights)
+    source = torch.empty(bf16_bytes // 4, dtype=torch.float32).uniform_()
+    target = torch.empty_like(source)
+    runs = {
+        FORMATS[0]: lambda: [ops.packed_linear(out, x, p) for _, _, p, _, x, out in weights],
+        FORMATS[1]: lambda: [ops.packed_linear_bf16(out, x, p) for _, _, p, _, x, out in weights],
+        FORMATS[2]: lambda: [ops.int8_linear(out, x, q) for _, _, _, q, x, out in weights],
+        FORMATS[3]: lambda: source.sum(),
+        FORMATS[4]: lambda: target.copy_(source),
+    }
+    streamed = {FORMATS[0]: bf16_bytes, FORMATS[1]: bf16_bytes, FORMATS[2]: int8_bytes, FORMATS[3]: bf16_bytes,
+                FORMATS[4]: 2 * bf16_bytes}
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    rounds = 2 if args.quick else args.rounds
+    for r in range(rounds):
+        order = FORMATS[r % len(FORMATS):] + FORMATS[:r % len(FORMATS)]
+        for name in order:
+            start = time.perf_counter()
+            runs[name]()
+            seconds[name].append(time.perf_counter() - start)
+    rows = [{"what": name, "mb_streamed": streamed[name] / 1e6, "best_ms": min(s) * 1e3,
+             "median_ms": statistics.median(s) * 1e3, "best_gb_s": streamed[name] / min(s) / 1e9,
+             "median_gb_s": streamed[name] / statistics.median(s) / 1e9} for name, s in seconds.items()]
+    read = rows[3]["best_gb_s"]
+    for row in rows:
+        row["share_of_read"] = row["best_gb_s"] / read
+    table = markdown_table(rows, ["what", "mb_streamed", "best_ms", "median_ms", "best_gb_s", "median_gb_s",
+                                  "share_of_read"])
+    kernels = {"cpu_isa": ops.cpu_isa(), "int8_linear_kernel": _core.ops.int8_linear_kernel()}
+    print(kernels)
+    print(table)
+    save("cpu_weight_streaming" + ("_quick" if args.quick else ""),
+         {"rounds": rounds, "threads": args.threads, "kernels": kernels, "rows": rows},
+         f"## Batch-1 linears streamed from memory ({'4' if args.quick else '30'} layers of SmolLM2-135M + its LM "
+         f"head, one row)\n\nCPU ops: {kernels['cpu_isa']}, int8_linear: {kernels['int8_linear_kernel']}; "
+         f"{rounds} interleaved rounds; read and copy: torch on {args.threads} threads.\n\n" + table, args.out)
+
+
+if __name__ == "__main__":
+    main()
