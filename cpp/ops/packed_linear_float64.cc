@@ -291,7 +291,7 @@ template <int kRows, typename Weights>
 #pragma GCC diagnostic pop
 #endif
 
-// x_wide: rows [row_begin, row_end) of x as doubles where the AVX2 kernel runs (uses_widened_x), else null.
+// x_wide: rows [row_begin, row_end) of x as doubles where the AVX2 kernel runs, else null.
 void run_tiles(const Float64Problem& p, const double* x_wide, int64_t tile_begin, int64_t tile_end,
                int64_t row_begin, int64_t row_end) {
 #if PS_X86_MULTIVERSION

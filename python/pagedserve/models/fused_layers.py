@@ -119,13 +119,11 @@ def unfusable_reason(model: DecoderModel) -> Optional[str]:
         return f"the embedding table is kept as {type(lookup).__name__}"
     if model.norm.weight.device.type != "cpu":
         return "the model is not on the CPU"
+    # int8 channels need float32 activations too, and have them: pack_cpu_weights quantizes float32 models only.
     gguf = isinstance(lookup, GgufRows) or any(isinstance(layer.self_attn.qkv_proj.kernel, GgufLinear)
                                                for layer in model.layers)
     if gguf and model.norm.weight.dtype != torch.float32:
         return "GGUF blocks need float32 activations"
-    int8 = any(isinstance(layer.self_attn.qkv_proj.kernel, Int8Linear) for layer in model.layers)
-    if int8 and model.norm.weight.dtype != torch.float32:
-        return "int8 channels need float32 activations"
     if type(model.embed_tokens) is not Embedding:  # e.g. a vocab-parallel shard, whose lookup all-reduces
         return f"the embedding is a {type(model.embed_tokens).__name__}"
     if model.embed_scale != 1.0:
