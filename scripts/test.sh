@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 JOBS=$(nproc)
-step() { printf '\n==> %s\n' "$*"; }
+step() { printf '\n==> %s  [%d s into the run]\n' "$*" "$SECONDS"; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 step "system packages"
@@ -87,13 +87,14 @@ fi
 
 # Two workers on two cores (pytest-xdist), a test file each at a time so a file's module fixtures (servers,
 # loaded models) start once: 24 -> ~17 minutes on CI's 2-core Zen 3. Tests marked serial time the engine
-# and run alone afterwards. The 25 slowest tests are listed at the end, to see where CI's time goes.
+# and run alone afterwards. The 40 slowest tests are listed at the end, to see where CI's time goes.
 WORKERS=${PYTEST_WORKERS:-$((JOBS < 4 ? JOBS : 4))}
 step "pytest ($WORKERS workers)"
 cd "$ROOT"
 pytest_run() {  # pytest's exit 5 (no test selected, e.g. by a -k given to this script) is not a failure
   python -m pytest tests_py -q -p no:cacheprovider "$@" || { local rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }
 }
-pytest_run -n "$WORKERS" --dist loadfile -m "not serial" --durations=25 "$@"
+pytest_run -n "$WORKERS" --dist loadfile -m "not serial" --durations=40 "$@"
 step "pytest: tests that time the engine, alone"
 pytest_run -m serial "$@"
+step "done"
