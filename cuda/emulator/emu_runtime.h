@@ -1,10 +1,14 @@
 // A host emulation of the CUDA execution model, enough for the kernels in
-// cuda/: each CTA runs as blockDim.x std::threads (a pool reused by every
-// CTA), one CTA at a time.
-// __syncthreads and the warp-wide operations (shuffles, ldmatrix, mma)
-// rendezvous on barriers; cp.async copies synchronously, so the emulator checks
-// indexing, masking and arithmetic, not the timing of the pipelines (that is
-// compute-sanitizer racecheck's job on a GPU).
+// cuda/: each CTA runs as blockDim.x fibers of one OS thread, one CTA at a
+// time. __syncthreads and the warp-wide operations (shuffles, ldmatrix, mma)
+// rendezvous on barriers; a thread runs until it waits at one (or exits), then
+// the next thread that can go on runs. cp.async copies synchronously, so the
+// emulator checks indexing, masking and arithmetic, not the timing of the
+// pipelines (that is compute-sanitizer racecheck's job on a GPU).
+//
+// Fibers, not OS threads: with a std::thread per CUDA thread, every barrier
+// woke ~128 threads through futexes, and the run took 150 s on CI's 2-core
+// Zen 3, 205 s of CPU in the kernel.
 //
 // Force-included (g++ -include) before the host copies of the kernel sources
 // that make_host_sources.py writes.
@@ -13,24 +17,30 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <sys/mman.h>
 
-#include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <semaphore>
-#include <thread>
 #include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
 
 #ifndef __launch_bounds__
 #define __launch_bounds__(...)
 #endif
 
-inline thread_local uint3 threadIdx;
-inline thread_local uint3 blockIdx;
+// One OS thread runs every CUDA thread, so these are plain globals that the
+// scheduler sets before it resumes a thread.
+inline uint3 threadIdx;
+inline uint3 blockIdx;
 inline dim3 gridDim;
 inline dim3 blockDim;
 
@@ -39,9 +49,37 @@ alignas(128) inline unsigned char emu_smem[232448];
 
 namespace emu {
 
+inline int lane_id = 0;
+inline int warp_id = 0;
+inline long long num_launches = 0;
+inline long long num_ctas = 0;
+
+// A barrier of `expected` threads with std::barrier's two calls that the
+// kernels need.
+class Barrier {
+ public:
+  explicit Barrier(int expected) : expected_(expected) {}
+  void arrive_and_wait();
+  // An exited thread stops counting, as on the GPU.
+  void arrive_and_drop() {
+    --expected_;
+    if (expected_ > 0 && arrived_ == expected_) complete_phase();
+  }
+  unsigned long phase() const { return phase_; }
+
+ private:
+  void complete_phase() {
+    arrived_ = 0;
+    ++phase_;
+  }
+  int expected_;
+  int arrived_ = 0;
+  unsigned long phase_ = 0;
+};
+
 // What the lanes of one warp exchange at a rendezvous.
 struct Warp {
-  std::barrier<> barrier{32};
+  Barrier barrier{32};
   float value[32];
   const void* address[32];
   uint32_t a[32][4];
@@ -50,75 +88,178 @@ struct Warp {
 
 struct Cta {
   explicit Cta(int threads) : barrier(threads), warps(static_cast<size_t>((threads + 31) / 32)) {}
-  std::barrier<> barrier;
+  Barrier barrier;
   std::vector<Warp> warps;
 };
 
 inline Cta* current_cta = nullptr;
-inline thread_local int lane_id = 0;
-inline thread_local int warp_id = 0;
-inline long long num_launches = 0;
-inline long long num_ctas = 0;
 
 inline Warp& warp() { return current_cta->warps[static_cast<size_t>(warp_id)]; }
 
-// The OS threads that play a CTA's threads, made once and reused by every
-// CTA: thread t of the pool is threadIdx.x = t. Creating ~150 threads a CTA
-// for ~8,000 CTAs (and unmapping their stacks) was most of the emulator's
-// time in CI, two thirds of it in the kernel (2-core Zen 3: 352 s).
-class CtaThreads {
+#if !defined(__x86_64__)
+#error "the emulator switches between fibers in x86-64 assembly (switch_stack)"
+#endif
+
+// Saves the callee-saved registers and the SSE / x87 control words on the
+// running stack, stores its stack pointer in *from, and returns on the stack
+// `to` (saved the same way). glibc's swapcontext also saves the signal mask,
+// a system call each switch: half of the attention cases' time.
+[[gnu::naked, gnu::noinline]] inline void switch_stack(void** /*from*/, void* /*to*/) {
+  asm volatile(
+      "pushq %rbp\n pushq %rbx\n pushq %r12\n pushq %r13\n pushq %r14\n pushq %r15\n"
+      "subq $8, %rsp\n stmxcsr (%rsp)\n fnstcw 4(%rsp)\n"
+      "movq %rsp, (%rdi)\n movq %rsi, %rsp\n"
+      "ldmxcsr (%rsp)\n fldcw 4(%rsp)\n addq $8, %rsp\n"
+      "popq %r15\n popq %r14\n popq %r13\n popq %r12\n popq %rbx\n popq %rbp\n ret\n");
+}
+
+// The fibers that play a CTA's threads: fiber t is threadIdx.x = t. Their
+// stacks (1 MiB, reserved but committed only as touched, a guard page below)
+// are made once and reused by every CTA.
+class CtaFibers {
  public:
-  CtaThreads() = default;
-  CtaThreads(const CtaThreads&) = delete;
-  CtaThreads& operator=(const CtaThreads&) = delete;
-  ~CtaThreads() {
-    for (auto& worker : workers_) {
-      worker->stop = true;
-      worker->go.release();
-    }
-    for (auto& worker : workers_) worker->thread.join();
+  CtaFibers() = default;
+  CtaFibers(const CtaFibers&) = delete;
+  CtaFibers& operator=(const CtaFibers&) = delete;
+  ~CtaFibers() {
+    for (auto& fiber : fibers_) munmap(fiber->stack, kStackBytes);
   }
 
-  // Runs body(t) on threads t = 0 .. count - 1 and returns when all have finished.
+  // Runs body(t) as threads t = 0 .. count - 1, round robin, and returns when all have finished.
   void run(int count, const std::function<void(int)>& body) {
-    while (static_cast<int>(workers_.size()) < count) add_worker();
+    while (static_cast<int>(fibers_.size()) < count) add_fiber();
     body_ = &body;
-    remaining_.store(count);
-    for (int t = 0; t < count; ++t) workers_[static_cast<size_t>(t)]->go.release();
-    all_done_.acquire();
+    for (int t = 0; t < count; ++t) start(t);
+    for (int live = count; live > 0;) {
+      bool resumed = false;
+      for (int t = 0; t < count; ++t) {
+        Fiber& fiber = *fibers_[static_cast<size_t>(t)];
+        if (fiber.done || (fiber.waiting != nullptr && fiber.waiting->phase() == fiber.phase)) continue;
+        fiber.waiting = nullptr;
+        resume(t);
+        resumed = true;
+        if (fiber.done) --live;
+      }
+      if (!resumed) {  // on a GPU a hang: a barrier that some thread never reaches
+        std::fprintf(stderr, "emulator: deadlock: %d threads wait at barriers no thread will complete\n", live);
+        std::abort();
+      }
+    }
+  }
+
+  // The running thread waits until `barrier` leaves `phase`.
+  void wait(const Barrier* barrier, unsigned long phase) {
+    Fiber& fiber = *fibers_[static_cast<size_t>(current_)];
+    fiber.waiting = barrier;
+    fiber.phase = phase;
+    switch_out(fiber, false);
   }
 
  private:
-  struct Worker {
-    std::binary_semaphore go{0};
-    bool stop = false;
-    std::thread thread;
+  static constexpr size_t kStackBytes = size_t{1} << 20;
+  static constexpr size_t kGuardBytes = 4096;
+
+  struct Fiber {
+    char* stack = nullptr;
+    void* sp = nullptr;  // where switch_stack left it
+    bool done = true;
+    const Barrier* waiting = nullptr;
+    unsigned long phase = 0;
+    void* asan_fake_stack = nullptr;
   };
 
-  void add_worker() {
-    const int t = static_cast<int>(workers_.size());
-    auto worker = std::make_unique<Worker>();
-    Worker* w = worker.get();
-    worker->thread = std::thread([this, w, t] {
-      for (;;) {
-        w->go.acquire();
-        if (w->stop) return;
-        (*body_)(t);
-        if (remaining_.fetch_sub(1) == 1) all_done_.release();
-      }
-    });
-    workers_.push_back(std::move(worker));
+  void add_fiber() {
+    auto fiber = std::make_unique<Fiber>();
+    void* stack = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_STACK, -1, 0);
+    if (stack == MAP_FAILED || mprotect(stack, kGuardBytes, PROT_NONE) != 0) {
+      std::perror("emulator: a fiber stack");
+      std::abort();
+    }
+    fiber->stack = static_cast<char*>(stack);
+    fibers_.push_back(std::move(fiber));
   }
 
-  std::vector<std::unique_ptr<Worker>> workers_;
+  // A fresh stack that switch_stack "returns" into entry() on, as if entry had been called (rsp = 8 mod 16).
+  void start(int t) {
+    Fiber& fiber = *fibers_[static_cast<size_t>(t)];
+#if defined(__SANITIZE_ADDRESS__)  // the redzones of the frames the last fiber on this stack left behind
+    __asan_unpoison_memory_region(fiber.stack + kGuardBytes, kStackBytes - kGuardBytes);
+#endif
+    auto** sp = reinterpret_cast<void**>(fiber.stack + kStackBytes);  // 16-aligned (mmap)
+    *--sp = nullptr;                                      // entry's return address: it never returns
+    *--sp = reinterpret_cast<void*>(&CtaFibers::entry);   // switch_stack's ret
+    for (int r = 0; r < 6; ++r) *--sp = nullptr;          // rbp rbx r12 r13 r14 r15
+    *--sp = reinterpret_cast<void*>(uintptr_t{0x037F} << 32 | 0x1F80);  // fcw : mxcsr, the defaults
+    fiber.sp = sp;
+    fiber.done = false;
+    fiber.waiting = nullptr;
+    fiber.asan_fake_stack = nullptr;
+  }
+
+  void resume(int t) {
+    current_ = t;
+    threadIdx = make_uint3(static_cast<unsigned>(t), 0, 0);
+    lane_id = t % 32;
+    warp_id = t / 32;
+    Fiber& fiber = *fibers_[static_cast<size_t>(t)];
+#if defined(__SANITIZE_ADDRESS__)
+    void* fake_stack = nullptr;
+    __sanitizer_start_switch_fiber(&fake_stack, fiber.stack + kGuardBytes, kStackBytes - kGuardBytes);
+    switch_stack(&scheduler_sp_, fiber.sp);
+    __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#else
+    switch_stack(&scheduler_sp_, fiber.sp);
+#endif
+  }
+
+  void switch_out(Fiber& fiber, bool finished) {
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_start_switch_fiber(finished ? nullptr : &fiber.asan_fake_stack, scheduler_stack_,
+                                   scheduler_stack_bytes_);
+#endif
+    switch_stack(&fiber.sp, scheduler_sp_);  // a finished fiber is never switched back to
+    switched_in(fiber);
+  }
+
+  void switched_in([[maybe_unused]] Fiber& fiber) {
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(fiber.asan_fake_stack, &scheduler_stack_, &scheduler_stack_bytes_);
+#endif
+  }
+
+  static void entry();
+
+  std::vector<std::unique_ptr<Fiber>> fibers_;
   const std::function<void(int)>* body_ = nullptr;
-  std::atomic<int> remaining_{0};
-  std::binary_semaphore all_done_{0};
+  void* scheduler_sp_ = nullptr;
+  int current_ = 0;
+  const void* scheduler_stack_ = nullptr;
+  size_t scheduler_stack_bytes_ = 0;
 };
 
-inline CtaThreads& cta_threads() {
-  static CtaThreads threads;
-  return threads;
+inline CtaFibers& cta_fibers() {
+  static CtaFibers fibers;
+  return fibers;
+}
+
+inline void CtaFibers::entry() {
+  CtaFibers& self = cta_fibers();
+  const int t = self.current_;
+  Fiber& fiber = *self.fibers_[static_cast<size_t>(t)];
+  self.switched_in(fiber);
+  (*self.body_)(t);
+  fiber.done = true;
+  self.switch_out(fiber, true);  // never returns
+  __builtin_unreachable();
+}
+
+inline void Barrier::arrive_and_wait() {
+  if (++arrived_ == expected_) {
+    complete_phase();
+    return;
+  }
+  cta_fibers().wait(this, phase_);
 }
 
 // Runs kernel() as every thread of every CTA of `grid`. Shared memory is
@@ -136,13 +277,10 @@ void launch(dim3 grid, dim3 block, size_t shared_bytes, Kernel kernel) {
         std::memset(emu_smem, 0xff, shared_bytes);
         Cta cta(threads);
         current_cta = &cta;
-        cta_threads().run(threads, [&](int t) {
-          threadIdx = make_uint3(static_cast<unsigned>(t), 0, 0);
-          blockIdx = make_uint3(x, y, z);
-          lane_id = t % 32;
-          warp_id = t / 32;
+        blockIdx = make_uint3(x, y, z);
+        cta_fibers().run(threads, [&](int) {
           kernel();
-          warp().barrier.arrive_and_drop();  // an exited thread stops counting, as on the GPU
+          warp().barrier.arrive_and_drop();
           cta.barrier.arrive_and_drop();
         });
         current_cta = nullptr;
