@@ -247,6 +247,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads (transformers; pagedserve's own pool "
                                                              "uses every core it may)")
     parser.add_argument("--gguf", default=None, help="a .gguf checkpoint of the model (e.g. Q4_1) for the gguf mode")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated subset of the modes to run (default: every mode this build offers)")
     parser.add_argument("--accuracy", action="store_true", help="also greedy agreement with transformers float32")
     parser.add_argument("--rss", action="store_true", help="memory check: one round of batch 64 x 64 output tokens "
                                                           "(peak and serving RSS; timings from a single batch)")
@@ -263,6 +265,11 @@ def main() -> None:
         dict(batches=[1, 4, 16, 64], output_len=64, ttft_len=512)
     rounds_n = 1 if args.quick or args.rss else args.rounds
     found = modes(args.gguf)
+    if args.modes:
+        wanted = [m.strip() for m in args.modes.split(",")]
+        if unknown := [m for m in wanted if m not in found]:
+            parser.error(f"--modes: no mode {unknown} in this build; the modes are {list(found)}")
+        found = {name: found[name] for name in wanted}
     names = list(found)
     rounds = []
     for r in range(rounds_n):
