@@ -94,7 +94,9 @@ cd "$ROOT"
 pytest_run() {  # pytest's exit 5 (no test selected, e.g. by a -k given to this script) is not a failure
   python -m pytest tests_py -q -p no:cacheprovider "$@" || { local rc=$?; [ "$rc" -eq 5 ] || return "$rc"; }
 }
-pytest_run -n "$WORKERS" --dist loadfile -m "not serial" --durations=40 "$@"
+# OMP_WAIT_POLICY=PASSIVE: with two workers on two cores, torch's OpenMP threads spinning after each parallel
+# region took CPU from the other worker (2-core Zen 3, four bench smoke runs: 20% less CPU, 13% less wall).
+OMP_WAIT_POLICY=PASSIVE pytest_run -n "$WORKERS" --dist loadfile -m "not serial" --durations=40 "$@"
 step "pytest: tests that time the engine, alone"
 pytest_run -m serial "$@"
 step "done"

@@ -10,7 +10,8 @@ OUT="${EMULATOR_BUILD_DIR:-$ROOT/build/emulator}"
 mkdir -p "$OUT"
 python3 "$HERE/make_host_sources.py" "$OUT/src"
 # No -g by default: a quarter of the compile time; SANITIZE=1 (for its reports' lines) and DEBUG=1 add it.
-FLAGS=(-std=c++20 -O1 -w -pthread -include "$HERE/emu_runtime.h" -I "$OUT/src" -I "$ROOT/cpp" -I "$CUDA_HOME/include")
+# -fcf-protection=none: the fibers' stack switch (emu_runtime.h) returns where no call was made.
+FLAGS=(-std=c++20 -O1 -w -pthread -fcf-protection=none -include "$HERE/emu_runtime.h" -I "$OUT/src" -I "$ROOT/cpp" -I "$CUDA_HOME/include")
 if [[ "${SANITIZE:-0}" == 1 ]]; then FLAGS+=(-g -fsanitize=address,undefined -fno-sanitize-recover=undefined); fi
 if [[ "${DEBUG:-0}" == 1 ]]; then FLAGS+=(-g); fi
 # The CPU ops the kernels are checked against; the CPU-only matrix kernels (packed, int8, GGUF) and the fused
