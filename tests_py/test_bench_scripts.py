@@ -201,6 +201,8 @@ def test_step_overhead_bench_int8_quick(tmp_path):
     fused, per_op = load(tmp_path, "step_overhead_default_int8_quick")["rows"]
     assert fused["quantization"] == per_op["quantization"] == "int8"
     assert fused["op_calls"] < 10 < 30 * 10 < per_op["op_calls"], "one call for the layers, ~11 per layer"
+
+
 def test_cpu_serving_bench_quick(tmp_path):
     # Three of the modes (each is a child process that loads the model): the others differ only in LLM options
     run_script("perf/cpu_serving_bench.py", "--quick", "--modes", "pagedserve float32,pagedserve bf16-kv,"

@@ -54,6 +54,20 @@ def shape_dir(name: str) -> Path:
     return path
 
 
+def load_hf(model_dir: Path | str, load_format: str, dtype, device: str = "cpu"):
+    """transformers' model of model_dir in eval mode: its checkpoint, or (load_format "dummy", a shape_dir)
+    weights initialised from seed 0."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format == "dummy":
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device).eval()
+
+
 def shape_dir_with_tokenizer(name: str) -> Path:
     """A named shape with the default model's tokenizer beside it (for the server's text endpoints), its
     vocabulary widened to the tokenizer's where that is larger (TinyLlama: 32,000 -> 49,152 rows)."""

@@ -145,14 +145,9 @@ def pagedserve_engine(spec):
 
 def hf_engine(spec):
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from common.model_shapes import load_hf
 
-    if spec["load_format"] == "dummy":
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec["model"]), dtype=torch.bfloat16)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.bfloat16)
-    model = model.eval()
+    model = load_hf(spec["model"], spec["load_format"], torch.bfloat16)
 
     @torch.inference_mode()
     def run_batch(batch, output_len):

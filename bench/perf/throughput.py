@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.model_shapes import shape_dir  # noqa: E402
+from common.model_shapes import load_hf, shape_dir  # noqa: E402
 from common.plots import draw_throughput, pyplot  # noqa: E402
 from common.report import add_engine_options, engine_options, markdown_table, save  # noqa: E402
 
@@ -172,17 +172,6 @@ def run_pagedserve(args, model_dir: Path, load_format: str, dtype: str) -> tuple
     llm.shutdown()
     gc.collect()
     return rows, vocab
-
-
-def load_hf(model_dir: Path, load_format: str, dtype: torch.dtype, device: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    if load_format == "dummy":
-        config = AutoConfig.from_pretrained(model_dir)
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return model.to(device).eval()
 
 
 @torch.inference_mode()
