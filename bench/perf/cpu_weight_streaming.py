@@ -2,7 +2,8 @@
 
 A decode step of one sequence streams every weight once. This builds the default model's linears (SmolLM2-135M:
 30 layers of qkv, o, gate_up and down, and the LM head; random weights exact in bf16, 270 MB as bf16 tiles,
-135 MB as int8 channels, more than any L3 holds), runs them all at one row in each CPU format, and compares the
+135 MB as int8 channels: more than most L3s hold, though the Intel AMX hosts' 300 MiB L3 can hold the int8 set
+and a loop over the same weights favours it), runs them all at one row in each CPU format, and compares the
 bytes each format streams per second with a plain read (torch sum) and a copy of as many bytes as the bf16 tiles,
 on torch threads = --threads (pagedserve's own pool takes every core it may: pin the process, e.g. taskset -c 0,1,
 to measure a 2-core machine). Rounds interleave the formats; the best and the median round are reported.
