@@ -118,6 +118,27 @@ static void fill(T* p, size_t n) {
 constexpr int H = 2048, I = 5632, L = 22;
 
 
+// Microseconds a replay of the CUDA graph that `enqueue` records on `s` takes (5 warm-up replays, then 50).
+template <typename Enqueue>
+float time_graph(cudaStream_t s, Enqueue&& enqueue) {
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  enqueue();
+  CK(cudaStreamEndCapture(s, &g));
+  CK(cudaGraphInstantiate(&ge, g, 0));
+  for (int i = 0; i < 5; ++i) CK(cudaGraphLaunch(ge, s));
+  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+  const int reps = 50;
+  CK(cudaEventRecord(a, s));
+  for (int i = 0; i < reps; ++i) CK(cudaGraphLaunch(ge, s));
+  CK(cudaEventRecord(b, s));
+  CK(cudaEventSynchronize(b));
+  float ms; cudaEventElapsedTime(&ms, a, b);
+  cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
+  return ms / reps * 1000.f;
+}
+
 // A stand-in for rms_norm_torch_order_kernel at batch 1: one CTA of 128 threads over H values.
 template <bool kEarly>
 __global__ void __launch_bounds__(128) norm1(T* out, const T* x, const T* w, int H) {
@@ -148,61 +169,38 @@ __global__ void __launch_bounds__(128) attn1(T* out, const T* q, const T* kv, in
 struct Full { T *qkv, *o, *gu, *down, *nw; };
 template <int kU, int kW, bool kEarly>
 float run_engine_like(std::vector<Full>& layers, T* h, T* xn, T* q, T* ao, T* xi, T* kv, cudaStream_t s) {
-  cudaGraph_t g; cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (auto& l : layers) {
-    launch(norm1<kEarly>, 1, 128, s, xn, (const T*)h, (const T*)l.nw, H);
-    launch(sbl<kU, kW, 0, false>, (2560 + kW - 1) / kW, kW * 32, s, q, (const T*)xn, (const T*)l.qkv, H, 2560);
-    launch(attn1, 32, 128, s, ao, (const T*)q, (const T*)kv, 100);
-    launch(sbl<kU, kW, 0, false>, (H + kW - 1) / kW, kW * 32, s, h, (const T*)ao, (const T*)l.o, H, H);
-    launch(norm1<kEarly>, 1, 128, s, xn, (const T*)h, (const T*)l.nw, H);
-    launch(sbl<kU, kW, 0, true>, (I + kW - 1) / kW, kW * 32, s, xi, (const T*)xn, (const T*)l.gu, H, I);
-    launch(sbl<kU, kW, 0, false>, (H + kW - 1) / kW, kW * 32, s, h, (const T*)xi, (const T*)l.down, I, H);
-  }
-  CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  for (int i = 0; i < 5; ++i) CK(cudaGraphLaunch(ge, s));
-  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-  const int reps = 50;
-  CK(cudaEventRecord(a, s));
-  for (int i = 0; i < reps; ++i) CK(cudaGraphLaunch(ge, s));
-  CK(cudaEventRecord(b, s));
-  CK(cudaEventSynchronize(b));
-  float ms; cudaEventElapsedTime(&ms, a, b);
-  cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
-  return ms / reps * 1000.f;
+  return time_graph(s, [&] {
+    for (auto& l : layers) {
+      launch(norm1<kEarly>, 1, 128, s, xn, (const T*)h, (const T*)l.nw, H);
+      launch(sbl<kU, kW, 0, false>, (2560 + kW - 1) / kW, kW * 32, s, q, (const T*)xn, (const T*)l.qkv, H, 2560);
+      launch(attn1, 32, 128, s, ao, (const T*)q, (const T*)kv, 100);
+      launch(sbl<kU, kW, 0, false>, (H + kW - 1) / kW, kW * 32, s, h, (const T*)ao, (const T*)l.o, H, H);
+      launch(norm1<kEarly>, 1, 128, s, xn, (const T*)h, (const T*)l.nw, H);
+      launch(sbl<kU, kW, 0, true>, (I + kW - 1) / kW, kW * 32, s, xi, (const T*)xn, (const T*)l.gu, H, I);
+      launch(sbl<kU, kW, 0, false>, (H + kW - 1) / kW, kW * 32, s, h, (const T*)xi, (const T*)l.down, I, H);
+    }
+  });
 }
 
+// which: 0 all three products of each layer, 1 o only, 2 gate_up only, 3 down only. Microseconds a step.
 template <int kU, int kW, int kH>
-float run_step(std::vector<Layer>& layers, T* xa, T* xb, T* xi, cudaStream_t s, int which, float* per) {
-  // which: 0 all three, 1 o only, 2 gate_up only, 3 down only
-  cudaGraph_t g; cudaGraphExec_t ge;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (auto& l : layers) {
-    if (which == 0 || which == 1) launch(sbl<kU, kW, kH, false>, (H + kW - 1) / kW, kW * 32, s, xb, xa, (const T*)l.o, H, H);
-    if (which == 0 || which == 2) launch(sbl<kU, kW, kH, true>, (I + kW - 1) / kW, kW * 32, s, xi, xb, (const T*)l.gu, H, I);
-    if (which == 0 || which == 3) launch(sbl<kU, kW, kH, false>, (H + kW - 1) / kW, kW * 32, s, xa, xi, (const T*)l.down, I, H);
-  }
-  CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&ge, g, 0));
-  for (int i = 0; i < 5; ++i) CK(cudaGraphLaunch(ge, s));
-  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-  const int reps = 50;
-  CK(cudaEventRecord(a, s));
-  for (int i = 0; i < reps; ++i) CK(cudaGraphLaunch(ge, s));
-  CK(cudaEventRecord(b, s));
-  CK(cudaEventSynchronize(b));
-  float ms; cudaEventElapsedTime(&ms, a, b);
-  cudaGraphExecDestroy(ge); cudaGraphDestroy(g);
-  return ms / reps * 1000.f;  // us per step
+float run_step(std::vector<Layer>& layers, T* xa, T* xb, T* xi, cudaStream_t s, int which) {
+  return time_graph(s, [&] {
+    for (auto& l : layers) {
+      const int g = (I + kW - 1) / kW, n = (H + kW - 1) / kW;
+      if (which == 0 || which == 1) launch(sbl<kU, kW, kH, false>, n, kW * 32, s, xb, xa, (const T*)l.o, H, H);
+      if (which == 0 || which == 2) launch(sbl<kU, kW, kH, true>, g, kW * 32, s, xi, xb, (const T*)l.gu, H, I);
+      if (which == 0 || which == 3) launch(sbl<kU, kW, kH, false>, n, kW * 32, s, xa, xi, (const T*)l.down, I, H);
+    }
+  });
 }
 
 template <int kU, int kW, int kH>
 void variant(const char* name, std::vector<Layer>& layers, T* xa, T* xb, T* xi, cudaStream_t s) {
-  float all = run_step<kU, kW, kH>(layers, xa, xb, xi, s, 0, nullptr);
-  float o = run_step<kU, kW, kH>(layers, xa, xb, xi, s, 1, nullptr);
-  float gu = run_step<kU, kW, kH>(layers, xa, xb, xi, s, 2, nullptr);
-  float d = run_step<kU, kW, kH>(layers, xa, xb, xi, s, 3, nullptr);
+  float all = run_step<kU, kW, kH>(layers, xa, xb, xi, s, 0);
+  float o = run_step<kU, kW, kH>(layers, xa, xb, xi, s, 1);
+  float gu = run_step<kU, kW, kH>(layers, xa, xb, xi, s, 2);
+  float d = run_step<kU, kW, kH>(layers, xa, xb, xi, s, 3);
   printf("| %-28s | %8.1f | %6.2f | %6.2f | %6.2f |\n", name, all, o / L, gu / L, d / L);
 }
 
