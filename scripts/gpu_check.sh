@@ -9,6 +9,10 @@
 #
 # Stages: env build optests sanitizer kernels engine families structured e2e_dummy e2e_real long timing demos serve
 # (pdl_ab on request: dependent launches off vs on, interleaved, TinyLlama shape)
+# (py_ab on request: the built package against an older Python tree, $AB_OLD_PYTHON, default probe/ab_old, carried
+# with the call; it gets this build's extension. Interleaved rounds of $AB_CASES: tiny (TinyLlama shape at 1 and 64
+# concurrent, the model's max_model_len), tiny_short (at 1, max_model_len 190), smol (SmolLM2 shape at 64, its
+# max_model_len), long (the long workload). For changes to python/ only.)
 # (cpu_host on request: the CPU kernels and CPU serving bench on the host's CPU, pinned to 2 cores)
 # Several GPUs (nvidia-h200-x2, on request): tp_tests (NCCL TP = 2 vs 1, faults; tp_server: the same through the
 # server, and DP = 2 placement), tp_agreement, tp_e2e (Llama-3-8B shape, TP 1 and 2), tp_kernels (the all-reduce
@@ -118,6 +122,30 @@ for stage in "${STAGES[@]}"; do
             --shape tinyllama-1.1b --batch 1 64 --label "pdl${pdl}_r$round" --out "$RUN"
           run_stage "pdl${pdl}_e2e_r$round" env PAGEDSERVE_PDL=$pdl python3 bench/perf/throughput.py --device cuda \
             --shape tinyllama-1.1b --no-hf --concurrency 1 64 --name "tinyllama_pdl${pdl}_r$round" --out "$RUN"
+        done
+      done ;;
+    py_ab)
+      old=${AB_OLD_PYTHON:-probe/ab_old}
+      cp "$(python3 -c 'import pagedserve._core as c; print(c.__file__)')" "$old/pagedserve/"
+      for round in $(seq "${AB_ROUNDS:-2}"); do
+        for variant in old new; do
+          pp=$PYTHONPATH
+          [ "$variant" = old ] && pp=$PWD/$old${PYTHONPATH:+:$PYTHONPATH}
+          for case in ${AB_CASES:-tiny smol long}; do
+            name=ab_${case}_${variant}_r$round
+            case $case in
+              tiny) cmd=(bench/perf/throughput.py --device cuda --shape tinyllama-1.1b --no-hf --concurrency 1 64
+                         --max-model-len 0) ;;
+              tiny_short) cmd=(bench/perf/throughput.py --device cuda --shape tinyllama-1.1b --no-hf --concurrency 1) ;;
+              smol) cmd=(bench/perf/throughput.py --device cuda --shape smollm2-135m --no-hf --concurrency 64
+                         --max-model-len 0) ;;
+              long) cmd=(bench/perf/long_workload.py --device cuda --shape qwen3-0.6b) ;;
+            esac
+            [ "$case" = long ] || cmd+=(--name "$name")
+            run_stage "$name" env PYTHONPATH="$pp" python3 "${cmd[@]}" --out "$RUN/$name"
+            grep -hE '^\| (pagedserve|qwen3)' "$RUN/$name"/*.md | sed "s/^/$name /" | tee -a "$SUMMARY"
+            grep -h "captured" "$RUN/$name.log" | head -n 1
+          done
         done
       done ;;
     demos)

@@ -193,3 +193,48 @@ def test_one_sequence_prefills_replay_graphs_bit_identical_to_eager(tmp_path, na
             assert counts.count(32) >= 3  # chunks of the 100-token and the shared prompts
         else:
             assert 65 in counts and 100 in counts
+
+
+def test_decode_graphs_replay_the_smallest_context_bound(tmp_path):
+    """Decode graphs are captured per batch size and context bound (worker/cuda_graphs.py): a decode step
+    replays the graph of the smallest bound >= its longest context, whose attention grid is sized for that
+    bound. Batch-invariant, a row's decode split depends on its own context only, so tokens and logprobs equal
+    the eager engine's bit for bit while contexts cross the bounds 256 and 1024, alone and in a batch."""
+    from transformers import LlamaConfig
+
+    from hf_helpers import make_hf_model
+    make_hf_model(LlamaConfig, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048).save_pretrained(tmp_path)
+    prompts = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((20, 250, 1015, 1500))]
+    params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, logprobs=1)
+
+    def run(enforce_eager: bool):
+        llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", seed=0, block_size=16, max_num_seqs=4,
+                  max_model_len=2048, num_kv_blocks=512, enforce_eager=enforce_eager, batch_invariant=True)
+        replays = []  # (the step's longest context, the bound of the graph it replayed) of every decode step
+        if not enforce_eager:
+            graphs = llm.llm_engine.worker.runner.graphs
+            assert graphs.context_bounds == [256, 1024, 2048]
+            lookup = graphs.lookup
+
+            def recording_lookup(step):
+                graph = lookup(step)
+                if step.num_decodes == step.num_seqs == step.num_tokens:  # a decode-only step: always a graph
+                    replays.append((int(step.max_seq_len), graph.context_bound))
+                return graph
+            graphs.lookup = recording_lookup
+        alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+        batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.shutdown()
+        outs = [(o.outputs[0].token_ids, [[(t, e[t].logprob) for t in sorted(e)] for e in o.outputs[0].logprobs])
+                for o in alone + batched]
+        return outs, replays
+
+    want, _ = run(True)
+    got, replays = run(False)
+    assert got == want
+    assert got[:4] == got[4:]  # and the batch changes no row
+    assert all(bound == min(b for b in (256, 1024, 2048) if b >= context) for context, bound in replays), replays
+    assert {bound for _, bound in replays} == {256, 1024, 2048}
+    # The 250-token prompt crosses 256 while it decodes, the 1015-token one 1024.
+    assert {(256, 256), (257, 1024), (1024, 1024), (1025, 2048)} <= set(replays)

@@ -60,6 +60,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     ap.add_argument("--hf-static-max", type=int, default=256, help="largest static batch given to transformers")
     ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="pagedserve's max_model_len (default: prompt + output + 16; 0: the model's own)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (one GPU each) for pagedserve")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="pagedserve's share of the card")
     ap.add_argument("--shape-warmup", action="store_true",
@@ -124,7 +126,8 @@ class PeakBlocks:
 def make_llm(args, model_dir: Path, load_format: str, dtype: str, max_seqs: int):
     from pagedserve import LLM, SamplingParams
     llm = LLM(str(model_dir), dtype=dtype, device=args.device, load_format=load_format, max_num_seqs=max_seqs,
-              max_model_len=args.prompt_len + args.output_len + 16,
+              max_model_len=(args.prompt_len + args.output_len + 16 if args.max_model_len is None
+                             else args.max_model_len or None),
               gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size,
               **engine_options(args.option))
     vocab = llm.llm_engine.model_config.vocab_size

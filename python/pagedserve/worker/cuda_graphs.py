@@ -5,8 +5,15 @@ batch's contents, so the forward is captured once per batch size in a ladder
 (1, 2, 4, 8, then every 16 up to max_num_seqs) over the StepInputs device
 views, and replayed: a step of S sequences replays the smallest captured size
 >= S, with rows past S padded (no KV write, empty context). The attention
-kernels read lengths and block tables from device memory and size their grid
-for max_model_len, so one capture serves every context length.
+kernels read lengths and block tables from device memory, but size their
+split-K grid (and whether a reduce kernel follows) from the host's bound on
+the context, fixed at capture. One capture for max_model_len serves every
+step, but then a batch-1 TinyLlama step (H200, contexts of a few hundred
+tokens) runs 22 reduce launches (76 us) and a partition grid 8 wide (95 us
+against 70 eager) out of ~1.05 ms. So each batch size is captured
+for context bounds in a ladder too (256, 1024, 4096, ... and max_model_len;
+256 tokens is one partition at any batch, decode_attention.cuh), and a step
+replays the graph of the smallest bound >= its longest context.
 
 A step that is one sequence's prefill of n <= PREFILL_GRAPH_TOKENS tokens (a
 prompt on an idle engine: a chat turn, a single stream, the chunks of a long
@@ -21,6 +28,7 @@ without (bench/results/h200/session19.md).
 
 from __future__ import annotations
 
+import bisect
 import gc
 import logging
 import threading
@@ -41,15 +49,31 @@ logger = logging.getLogger("pagedserve")
 PREFILL_GRAPH_TOKENS = 64
 
 
+# The context bounds' ladder: the first is one decode partition at any batch (decode_attention.cuh's
+# kMinPartitionTokens); each next one 4x longer, so a step's grid is at most 4x its context's.
+FIRST_CONTEXT_BOUND = 256
+CONTEXT_BOUND_GROWTH = 4
+
+
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     return sorted(set(sizes + [max_num_seqs]))
 
 
+def context_bound_ladder(max_seq_len: int) -> list[int]:
+    """The context bounds decode graphs are captured for: 256, 1024, 4096, ... below max_seq_len, then it."""
+    bounds, bound = [], FIRST_CONTEXT_BOUND
+    while bound < max_seq_len:
+        bounds.append(bound)
+        bound *= CONTEXT_BOUND_GROWTH
+    return bounds + [max_seq_len]
+
+
 @dataclass
 class CapturedStep:
     batch_size: int  # the rows prepare_replay fills: a decode batch's padded size, 1 for a prefill
+    context_bound: int  # the attention's host bound on a row's context (max_seq_len of the captured views)
     graph: torch.cuda.CUDAGraph
     hidden: torch.Tensor  # the graph's output, overwritten by each replay
     launching: threading.Lock  # held while the host launches the graph (see CudaGraphs.abandon)
@@ -69,8 +93,9 @@ class CudaGraphs:
         """prefill_tokens: capture one-sequence prefills of 1..prefill_tokens tokens too (bounded here by
         the step's token budget and max_seq_len)."""
         self.sizes = batch_size_ladder(max_num_seqs)
+        self.context_bounds = context_bound_ladder(max_seq_len)
         self.prefill_counts = list(range(1, min(prefill_tokens, inputs.max_num_tokens, max_seq_len) + 1))
-        self._by_size: dict[int, CapturedStep] = {}
+        self._decode: dict[tuple[int, int], CapturedStep] = {}  # by (batch size, context bound)
         self._prefill: dict[int, CapturedStep] = {}
         self._launching = threading.Lock()
         start = time.perf_counter()
@@ -83,8 +108,9 @@ class CudaGraphs:
         try:
             inputs.fill_capture_batch(max_num_seqs)
             for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-                views = inputs.decode_views(bs, max_seq_len)
-                self._by_size[bs] = self._capture(model, kv_cache, views, bs, pool, self._launching)
+                for bound in reversed(self.context_bounds):
+                    views = inputs.decode_views(bs, bound)
+                    self._decode[bs, bound] = self._capture(model, kv_cache, views, bs, pool, self._launching)
             for n in reversed(self.prefill_counts):
                 inputs.fill_capture_prefill(n)
                 views = inputs.prefill_views(n, max_seq_len)
@@ -92,9 +118,9 @@ class CudaGraphs:
         finally:
             gc.enable()
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch %d..%d) and %d one-sequence prefill graphs in %.1f s",
-                    len(self.sizes), self.sizes[0], self.sizes[-1], len(self.prefill_counts),
-                    time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch %d..%d x contexts up to %s) and %d one-sequence "
+                    "prefill graphs in %.1f s", len(self._decode), self.sizes[0], self.sizes[-1],
+                    "/".join(map(str, self.context_bounds)), len(self.prefill_counts), time.perf_counter() - start)
         # The smallest captured size >= S, for every S.
         self._size_for = np.zeros(max_num_seqs + 1, dtype=np.int64)
         for s in range(1, max_num_seqs + 1):
@@ -108,14 +134,14 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             hidden = model.forward(input_ids, positions, attn, kv_cache)
-        return CapturedStep(batch_size, graph, hidden, launching)
+        return CapturedStep(batch_size, attn.max_seq_len, graph, hidden, launching)
 
     def release(self) -> None:
         """Destroys the graphs (NCCL waits for the graphs that captured a communicator before destroying
         it: tensor-parallel shutdown hung on them); lookups find none afterwards."""
         torch.cuda.synchronize()
         self._destroy()
-        self._by_size.clear()
+        self._decode.clear()
         self._prefill.clear()
         self._size_for = np.zeros(1, dtype=np.int64)
 
@@ -129,7 +155,7 @@ class CudaGraphs:
 
     def _destroy(self) -> None:
         with self._launching:
-            for captured in [*self._by_size.values(), *self._prefill.values()]:
+            for captured in [*self._decode.values(), *self._prefill.values()]:
                 if not captured.destroyed:
                     captured.destroyed = True
                     captured.graph.reset()
@@ -141,4 +167,10 @@ class CudaGraphs:
             return self._prefill.get(int(step.num_tokens))
         if n == 0 or step.num_decodes != n or step.num_tokens != n or n >= len(self._size_for):
             return None
-        return self._by_size[int(self._size_for[n])]
+        bound = self.context_bound(int(step.max_seq_len))
+        return None if bound is None else self._decode[int(self._size_for[n]), bound]
+
+    def context_bound(self, context: int) -> Optional[int]:
+        """The smallest captured context bound >= context (None past max_seq_len: run it eagerly)."""
+        at = bisect.bisect_left(self.context_bounds, context)
+        return self.context_bounds[at] if at < len(self.context_bounds) else None
