@@ -8,12 +8,14 @@ views, and replayed: a step of S sequences replays the smallest captured size
 kernels read lengths and block tables from device memory, but size their
 split-K grid (and whether a reduce kernel follows) from the host's bound on
 the context, fixed at capture. One capture for max_model_len serves every
-step, but then a batch-1 TinyLlama step (H200, contexts of a few hundred
-tokens) runs 22 reduce launches (76 us) and a partition grid 8 wide (95 us
-against 70 eager) out of ~1.05 ms. So each batch size is captured
-for context bounds in a ladder too (256, 1024, 4096, ... and max_model_len;
-256 tokens is one partition at any batch, decode_attention.cuh), and a step
-replays the graph of the smallest bound >= its longest context.
+step, but then short contexts pay the longest one's grid: SmolLM2 at its own
+8192 tokens ran 16 partitions a row at batch 64, nearly all empty, and a
+reduce kernel per layer. So each batch size is captured for context bounds in
+a ladder too (256, 1024, 4096, ... and max_model_len; 256 tokens is one
+partition at any batch, decode_attention.cuh), and a step replays the graph
+of the smallest bound >= its longest context. H200, SmolLM2 shape, 64
+concurrent, 24 in / 150 out: 34.8-45.4k -> 48.0-50.0k tok/s; ~1 s more
+start-up and ~10 MiB of device memory (bench/results/h200/session25.md).
 
 A step that is one sequence's prefill of n <= PREFILL_GRAPH_TOKENS tokens (a
 prompt on an idle engine: a chat turn, a single stream, the chunks of a long
