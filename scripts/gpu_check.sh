@@ -126,11 +126,16 @@ for stage in "${STAGES[@]}"; do
       done ;;
     py_ab)
       old=${AB_OLD_PYTHON:-probe/ab_old}
-      cp "$(python3 -c 'import pagedserve._core as c; print(c.__file__)')" "$old/pagedserve/"
+      case $old in /*) ;; *) old=$PWD/$old ;; esac
+      if ! cp "$(python3 -c 'import pagedserve._core as c; print(c.__file__)')" "$old/pagedserve/"; then
+        note "py_ab: no old tree at $old/pagedserve (carry it), or no built extension"
+        continue
+      fi
       for round in $(seq "${AB_ROUNDS:-2}"); do
         for variant in old new; do
           pp=$PYTHONPATH
-          [ "$variant" = old ] && pp=$PWD/$old${PYTHONPATH:+:$PYTHONPATH}
+          [ "$variant" = old ] && pp=$old${PYTHONPATH:+:$PYTHONPATH}
+          note "py_ab $variant: $(PYTHONPATH=$pp python3 -c 'import pagedserve; print(pagedserve.__file__)')"
           for case in ${AB_CASES:-tiny smol long}; do
             name=ab_${case}_${variant}_r$round
             case $case in
@@ -140,11 +145,11 @@ for stage in "${STAGES[@]}"; do
               smol) cmd=(bench/perf/throughput.py --device cuda --shape smollm2-135m --no-hf --concurrency 64
                          --max-model-len 0) ;;
               long) cmd=(bench/perf/long_workload.py --device cuda --shape qwen3-0.6b) ;;
+              *) note "py_ab: unknown case $case"; continue ;;
             esac
             [ "$case" = long ] || cmd+=(--name "$name")
             run_stage "$name" env PYTHONPATH="$pp" python3 "${cmd[@]}" --out "$RUN/$name"
             grep -hE '^\| (pagedserve|qwen3)' "$RUN/$name"/*.md | sed "s/^/$name /" | tee -a "$SUMMARY"
-            grep -h "captured" "$RUN/$name.log" | head -n 1
           done
         done
       done ;;

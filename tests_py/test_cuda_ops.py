@@ -495,7 +495,8 @@ def test_paged_attention_small_partitions_with_large_workspace(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_grid_sized_for_longer_contexts(dtype):
-    """Under CUDA graphs the decode grid comes from max_model_len; extra partitions must exit cleanly."""
+    """Under CUDA graphs the decode grid comes from the graph's context bound (up to max_model_len), not from
+    the step's contexts; extra partitions must exit cleanly."""
     seed = fresh_seed()
     seeded(seed)
     batch = Batch(decode_rows(3, 1, 600) + prefill_rows(1, 40, 30), 16, 4, 64, 16, dtype)

@@ -262,12 +262,15 @@ def main() -> None:
     queue = f", {args.requests_per_slot} requests per slot" if args.requests_per_slot > 1 else ""
     queue += ", pagedserve warmed up on each C's prompt shapes" if args.shape_warmup else ""
     tp = f", TP = {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    own = "the model's own"
+    model_len = "" if args.max_model_len is None else f", max_model_len {args.max_model_len or own}"
     title = (f"{label} ({dtype_name}, {args.device}{tp}): prompt {args.prompt_len}, "
-             f"output {lengths} tokens, ignore_eos{queue}")
+             f"output {lengths} tokens, ignore_eos{queue}{model_len}")
     path = save(name, {"model": label, "dtype": dtype_name, "device": args.device, "prompt_len": args.prompt_len,
                        "output_len": args.output_len, "min_output_len": args.min_output_len,
                        "requests_per_slot": args.requests_per_slot, "shape_warmup": args.shape_warmup,
-                       "tensor_parallel_size": args.tensor_parallel_size, "rows": rows}, f"## {title}\n\n{table}", args.out)
+                       "tensor_parallel_size": args.tensor_parallel_size, "max_model_len": args.max_model_len,
+                       "rows": rows}, f"## {title}\n\n{table}", args.out)
     if args.plot:
         plot(rows, path.with_suffix(".png"), title)
     print(f"saved {path}")

@@ -14,8 +14,11 @@ reduce kernel per layer. So each batch size is captured for context bounds in
 a ladder too (256, 1024, 4096, ... and max_model_len; 256 tokens is one
 partition at any batch, decode_attention.cuh), and a step replays the graph
 of the smallest bound >= its longest context. H200, SmolLM2 shape, 64
-concurrent, 24 in / 150 out: 34.8-45.4k -> 48.0-50.0k tok/s; ~1 s more
-start-up and ~10 MiB of device memory (bench/results/h200/session25.md).
+concurrent, 24 in / 150 out: 34.8-45.4k -> 48.0-50.0k tok/s. The cost, for
+SmolLM2 at max_num_seqs 256 (80 decode graphs instead of 20): ~1 s more
+start-up and ~10 MiB of device memory (bench/results/h200/session25.md); each
+graph keeps its own output rows, so the memory grows with the hidden size and
+the number of bounds (an 8B model at 128k tokens: 6 bounds, ~100 MiB).
 
 A step that is one sequence's prefill of n <= PREFILL_GRAPH_TOKENS tokens (a
 prompt on an idle engine: a chat turn, a single stream, the chunks of a long
