@@ -2,6 +2,9 @@
 // blocks against the formulas of ggml's layouts written out per element, and
 // the AVX-512 decoders bit-identical to the portable ones on random blocks.
 // (The Python tests check both against the `gguf` package's dequantization.)
+// The interleaved layout (gguf_interleaved.h): the byte map written out, the
+// round trip, row lookups, and its int8-activation kernel beside the file
+// layout's on rows with tails (under the sanitizers in CI).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -11,6 +14,8 @@
 #include "ops/cpu_isa.h"
 #include "ops/gguf_blocks.h"
 #include "ops/gguf_decode_avx512.h"
+#include "ops/gguf_int8.h"
+#include "ops/gguf_interleaved.h"
 
 namespace pagedserve::ops::gguf {
 namespace {
@@ -101,6 +106,79 @@ TEST(GgufBlocks, Avx512DecodersMatchPortable) {
   }
 }
 #endif
+
+std::vector<uint8_t> random_bytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> bytes(n);
+  for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
+  return bytes;
+}
+
+TEST(GgufInterleaved, ByteMapRoundTripAndRowLookup) {
+  constexpr int64_t kRows = 16, kBlocks = 3, kRowBytes = kBlocks * 20;  // Q4_1, K = 96
+  const std::vector<uint8_t> rows = random_bytes(kRows * kRowBytes, 7);
+  std::vector<uint8_t> groups(rows.size()), back(rows.size()), row(kRowBytes);
+  interleave_rows(BlockType::kQ4_1, rows.data(), groups.data(), kRows, kRowBytes);
+  // Group 1, block 2: d of row r at 2r, m at 16 + 2r, chunk c's byte 4r + i = the row's code byte 4c + i.
+  const uint8_t* block = groups.data() + 8 * kRowBytes + 2 * 8 * 20;
+  for (int r = 0; r < 8; ++r) {
+    const uint8_t* src = rows.data() + (8 + r) * kRowBytes + 2 * 20;
+    EXPECT_EQ(block[2 * r], src[0]);
+    EXPECT_EQ(block[2 * r + 1], src[1]);
+    EXPECT_EQ(block[16 + 2 * r], src[2]);
+    EXPECT_EQ(block[16 + 2 * r + 1], src[3]);
+    for (int c = 0; c < 4; ++c) {
+      for (int i = 0; i < 4; ++i) EXPECT_EQ(block[32 + 32 * c + 4 * r + i], src[4 + 4 * c + i]);
+    }
+  }
+  deinterleave_groups(BlockType::kQ4_1, groups.data(), back.data(), kRows / 8, kRowBytes);
+  EXPECT_EQ(back, rows);
+  for (int64_t n = 0; n < kRows; ++n) {
+    deinterleave_row(BlockType::kQ4_1, groups.data(), n, row.data(), kRowBytes);
+    EXPECT_TRUE(std::equal(row.begin(), row.end(), rows.begin() + n * kRowBytes)) << "row " << n;
+  }
+}
+
+// Random codes with small float16 scales (finite, so the two layouts' sums are comparable).
+std::vector<uint8_t> random_blocks(BlockType type, int64_t rows, int64_t blocks, uint32_t seed) {
+  const int bytes = block_format(static_cast<int64_t>(type), "test").bytes;
+  std::vector<uint8_t> data = random_bytes(static_cast<size_t>(rows * blocks * bytes), seed);
+  std::mt19937 rng(seed + 1);
+  std::uniform_real_distribution<float> scale(-0.05f, 0.05f);
+  for (int64_t b = 0; b < rows * blocks; ++b) {
+    put_half(data.data() + b * bytes, scale(rng));
+    if (type == BlockType::kQ4_1) put_half(data.data() + b * bytes + 2, scale(rng));
+  }
+  return data;
+}
+
+TEST(GgufInterleaved, KernelAgreesWithTheFileLayoutsOnRowsWithTails) {
+  if (!int8_activations_apply(BlockType::kQ4_1)) GTEST_SKIP() << "no int8-activation kernels below AVX2";
+  constexpr int64_t kK = 96, kN = 24;
+  for (BlockType type : {BlockType::kQ4_0, BlockType::kQ4_1, BlockType::kQ8_0}) {
+    const int64_t row_bytes = kK / 32 * block_format(static_cast<int64_t>(type), "test").bytes;
+    const std::vector<uint8_t> rows = random_blocks(type, kN, kK / 32, 11);
+    std::vector<uint8_t> groups(rows.size());
+    interleave_rows(type, rows.data(), groups.data(), kN, row_bytes);
+    for (int64_t m : {1, 5, 70}) {  // register blocks of 4 rows of x, their remainders, chunks of 64 rows
+      std::mt19937 rng(static_cast<uint32_t>(m));
+      std::normal_distribution<float> normal;
+      std::vector<float> x(static_cast<size_t>(m * kK)), want(static_cast<size_t>(m * kN)), got(want.size());
+      for (float& v : x) v = normal(rng);
+      std::vector<float> bias(kN, 0.5f);
+      const LinearArgs file{x.data(), rows.data(), bias.data(), want.data(), m, kK, kN, kN, row_bytes};
+      LinearArgs interleaved = file;
+      interleaved.blocks = groups.data();
+      interleaved.out = got.data();
+      linear_int8_activations(type, file);
+      linear_int8_interleaved(type, interleaved);
+      for (size_t i = 0; i < want.size(); ++i) {  // the same integer sums, rounded in another order
+        EXPECT_NEAR(got[i], want[i], 1e-4f * (1.0f + std::abs(want[i]))) << "type " << static_cast<int>(type)
+                                                                          << ", m " << m << ", i " << i;
+      }
+    }
+  }
+}
 
 }  // namespace
 }  // namespace pagedserve::ops::gguf

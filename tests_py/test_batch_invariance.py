@@ -1,6 +1,7 @@
 """Batch invariance on the CPU: a request's tokens and per-token logprobs are bit-identical (==, not
 allclose) alone, in a batch of 16 and of 64 other requests of mixed lengths, under chunked prefill
-and on a prefix-cache hit, on the default model.
+and on a prefix-cache hit, on the default model (its bf16 directory in three modes, and its shipped
+Q4_1 GGUF file).
 
 Nothing the engine computes for one row may depend on the other rows: each op reduces a row in an
 order fixed by the row's own shape (cpp/ops/ops.h, paged_attention; the packed matmul keeps one
@@ -22,6 +23,7 @@ MODES = {
     "default": {},
     "float32": {"cpu_precision": "float32"},
     "bf16-kv": {"kv_cache_dtype": "bfloat16"},
+    "gguf": {},  # the default model's shipped Q4_1 file: blocks interleaved at load (cpp/ops/gguf_interleaved.h)
 }
 TARGET_LEN, OUTPUT_LEN = 33, 10
 PARAMS = SamplingParams(temperature=0.0, max_tokens=OUTPUT_LEN, ignore_eos=True, logprobs=2)
@@ -58,6 +60,9 @@ def mode(request):
 
 @pytest.fixture(scope="module")
 def engines(mode, default_model_path):
+    if mode == "gguf":
+        from pagedserve.models.default_model import default_gguf_path
+        default_model_path = default_gguf_path()
     options = dict(model=str(default_model_path), device="cpu", max_model_len=256, **MODES[mode])
     plain = LLM(**options, enable_prefix_caching=False, max_num_seqs=64)
     chunked = LLM(**options, enable_prefix_caching=True, max_num_seqs=16, max_num_batched_tokens=16)

@@ -166,6 +166,8 @@ def test_tiny_gguf_matches_transformers_on_the_same_file(case, tmp_path, monkeyp
     oracle = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     ours = ours_from(gguf_model_dir(path, tmp_path / "cache"))
     assert ours.model.embed_tokens.weight is None and ours.lm_head_kernel is not None  # blocks kept
+    if _core.ops.cpu_isa() != "baseline":  # rows in eights: interleaved at load (cpp/ops/gguf_interleaved.h)
+        assert all(segment.ggml_type >= 256 for segment in ours.lm_head_kernel.segments)
 
     logits = run_prompts(ours)
     with float_kernels():

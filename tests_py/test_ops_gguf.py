@@ -24,7 +24,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 from ops_testing import cpu_isa, torch_single_thread  # noqa: F401  (fixtures)
 
-from pagedserve import ops
+from pagedserve import _core, ops
 
 QUANTIZABLE = [T.Q8_0, T.Q4_0, T.Q4_1]
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
@@ -287,3 +287,156 @@ def test_int8_path_edge_activations(qtype):
     y = run(x, blocks, qtype)
     assert_matches_int8_arithmetic(y, x, blocks, qtype)
     assert_within_activation_rounding(y, x, dequantized(blocks, qtype))
+
+
+# ---------------------------------------------------------------------------
+# Interleaved blocks (cpp/ops/gguf_interleaved.h): eight rows side by side, made once at load.
+
+INTERLEAVED_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+
+
+def interleave(blocks: np.ndarray, qtype: T) -> tuple[torch.Tensor, int]:
+    made = ops.gguf_interleave(torch.from_numpy(blocks), int(qtype))
+    assert made is not None, "the interleaved layout applies at the AVX2 level and above"
+    return made
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fused multiply-add: a b is exact in float64 for float32 operands; the one rounding of the sum
+    is float64's, then float32's (a double rounding that differs from a true fma only at ties, ~2^-29 a sum)."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def interleaved_arithmetic(x: np.ndarray, blocks: np.ndarray, qtype: T, bias: np.ndarray | None = None) -> np.ndarray:
+    """gguf_int8_interleaved.inc's float32 steps in numpy, per output and 32-weight block, blocks in order:
+    Q4_1 acc = fma(fma(dot, d_w, m_w sum x_q), d_x, acc); Q4_0, Q8_0 acc = fma(dot, d_w d_x, acc); dot the
+    exact integer sum of codes x_q (Q4_0's codes less 8)."""
+    xq, dx = int8_activations(x)
+    codes, dw, mw = block_codes(blocks, qtype)
+    dots = np.einsum("mbk,nbk->mnb", xq, codes).astype(np.float32)  # |dot| < 2^24: exact
+    d = dw[:, :, 0].astype(np.float32)  # a float16 per block
+    sums = xq.sum(-1).astype(np.float32)
+    acc = np.zeros((x.shape[0], blocks.shape[0]), dtype=np.float32)
+    for b in range(dots.shape[2]):
+        dx_b = dx[:, b][:, None]
+        if qtype == T.Q4_1:
+            block = fma32(dots[:, :, b], d[None, :, b], mw[None, :, b].astype(np.float32) * sums[:, b][:, None])
+            acc = fma32(block, dx_b, acc)
+        else:
+            acc = fma32(dots[:, :, b], d[None, :, b] * dx_b, acc)
+    return acc if bias is None else acc + bias
+
+
+def run_interleaved(x: np.ndarray, blocks: torch.Tensor, interleaved_type: int,
+                    bias: np.ndarray | None = None) -> torch.Tensor:
+    out = torch.full((x.shape[0], blocks.shape[0]), float("nan"))
+    ops.gguf_linear(out, torch.from_numpy(x), blocks, interleaved_type, None if bias is None else torch.from_numpy(bias))
+    return out
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVED_TYPES, ids=lambda t: t.name)
+def test_interleave_keeps_every_byte_and_rows_look_up_as_before(qtype):
+    if ops.cpu_isa() == "baseline":
+        pytest.skip("no interleaved kernels below the AVX2 level")
+    rng = np.random.default_rng(31)
+    for n, k in ((8, 32), (24, 576), (64, 96)):
+        blocks = make_blocks(qtype, n, k, rng)
+        interleaved, interleaved_type = interleave(blocks, qtype)
+        assert interleaved_type == int(qtype) + 256 and interleaved.shape == blocks.shape
+        assert interleaved.numpy().tobytes() != blocks.tobytes()  # rearranged ...
+        assert np.array_equal(np.sort(interleaved.numpy(), axis=None), np.sort(blocks, axis=None))  # ... not changed
+        # Group 0, block 0: the eight rows' d first (row r at bytes 2r, 2r + 1).
+        assert np.array_equal(interleaved.numpy()[0, :16], blocks[:8, :2].reshape(-1))
+        out = torch.empty(n, k)
+        ops.gguf_dequantize_rows(out, interleaved, interleaved_type, torch.arange(n - 1, -1, -1))
+        np.testing.assert_array_equal(out.numpy(), quants.dequantize(blocks, qtype)[::-1])
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVED_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 17, 130])
+def test_interleaved_linear_is_its_arithmetic_bit_for_bit(qtype, m, cpu_isa):
+    """At AVX2 and AVX-512 (vpdpbusd where the CPU has VNNI) the same bits as the numpy steps; below AVX2
+    the rows go back to the file's layout for the float32 kernels (the float64 oracle's bound)."""
+    rng = np.random.default_rng(int(qtype) * 100 + m)
+    for n, k in ((8, 32), (72, 96), (40, 576)):
+        blocks = make_blocks(qtype, n, k, rng)
+        before = ops.cpu_isa()
+        _core.ops.set_cpu_isa(_core.ops.supported_cpu_isas()[-1])  # loading happens at the best level
+        try:
+            interleaved, interleaved_type = interleave(blocks, qtype)
+        finally:
+            _core.ops.set_cpu_isa(before)
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        bias = rng.standard_normal(n).astype(np.float32)
+        y = run_interleaved(x, interleaved, interleaved_type, bias)
+        if cpu_isa == "baseline":
+            assert torch.equal(y, run(x, blocks, qtype, bias))  # the float32 kernels on the same rows
+            assert_matches_float64(y, x, dequantized(blocks, qtype), bias)
+        else:
+            np.testing.assert_array_equal(y.numpy(), interleaved_arithmetic(x, blocks, qtype, bias))
+            assert_within_activation_rounding(y, x, dequantized(blocks, qtype), bias)
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVED_TYPES, ids=lambda t: t.name)
+def test_interleaved_linear_edge_activations(qtype):
+    """Zero blocks, a negative maximum, the extremes +-127 of x_q: AVX2 keeps Q4 sums in int16 for a
+    whole block (at most 8 x 2 x 15 x 127 = 30480), Q8_0 as |w| x sign(w) x_q; both must stay exact."""
+    if ops.cpu_isa() == "baseline":
+        pytest.skip("no interleaved kernels below the AVX2 level")
+    rng = np.random.default_rng(41)
+    blocks = make_blocks(qtype, 16, 128, rng)
+    codes = blocks.reshape(16, 4, -1)
+    codes[:8, :, -16:] = 0xFF  # every nibble 15 (Q4) / every code -1 (Q8_0)
+    if qtype == T.Q8_0:
+        codes[8:, :, 2:] = 0x80  # -128: |w| = 128
+    blocks = codes.reshape(16, -1)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    x[0, :32] = 0
+    x[1, 32:64] = -np.abs(x[1, 32:64]) * 1e3
+    x[2, 64:96] = 127.0
+    x[2, 96:128] = -127.0
+    y = run_interleaved(x, *interleave(blocks, qtype))
+    np.testing.assert_array_equal(y.numpy(), interleaved_arithmetic(x, blocks, qtype))
+
+
+@pytest.mark.parametrize("qtype", INTERLEAVED_TYPES, ids=lambda t: t.name)
+def test_interleaved_one_row_one_thread_equal_a_batch_on_two(qtype):
+    if ops.cpu_isa() == "baseline":
+        pytest.skip("no interleaved kernels below the AVX2 level")
+    rng = np.random.default_rng(43)
+    blocks = make_blocks(qtype, 296, 576, rng)
+    interleaved, interleaved_type = interleave(blocks, qtype)
+    x = rng.standard_normal((131, 576)).astype(np.float32)
+    before = ops.num_threads()
+    try:
+        ops.set_num_threads(2)
+        batch = run_interleaved(x, interleaved, interleaved_type)
+        ops.set_num_threads(1)
+        for m in (0, 1, 66, 130):
+            assert torch.equal(run_interleaved(x[m:m + 1], interleaved, interleaved_type)[0], batch[m])
+        assert torch.equal(run_interleaved(x, interleaved, interleaved_type), batch)
+    finally:
+        ops.set_num_threads(before)
+
+
+def test_interleave_refuses_what_has_no_such_layout():
+    assert ops.gguf_interleave(torch.zeros(8, 144, dtype=torch.uint8), int(T.Q4_K)) is None  # a K-quant
+    assert ops.gguf_interleave(torch.zeros(12, 20, dtype=torch.uint8), int(T.Q4_1)) is None  # 12 rows
+    with pytest.raises(ValueError, match="gguf_interleave: Q4_K has no interleaved layout; Q4_0, Q4_1 and Q8_0 have"):
+        blocks = torch.zeros(8, 144, dtype=torch.uint8)
+        _core.ops.gguf_interleave(ops._dl(torch.empty_like(blocks)), ops._dl(blocks), int(T.Q4_K))
+    with pytest.raises(ValueError, match="gguf_linear: interleaved blocks come in groups of 8 rows, got 12"):
+        ops.gguf_linear(torch.empty(1, 12), torch.zeros(1, 32), torch.zeros(12, 20, dtype=torch.uint8),
+                        int(T.Q4_1) + 256)
+    with pytest.raises(ValueError, match=r"gguf_linear: Q4_K has no interleaved layout \(type 268\)"):
+        ops.gguf_linear(torch.empty(1, 8), torch.zeros(1, 256), torch.zeros(8, 144, dtype=torch.uint8),
+                        int(T.Q4_K) + 256)
+
+
+def test_no_interleaved_layout_below_avx2():
+    before = ops.cpu_isa()
+    _core.ops.set_cpu_isa("baseline")
+    try:
+        assert ops.gguf_interleave(torch.zeros(8, 20, dtype=torch.uint8), int(T.Q4_1)) is None
+    finally:
+        _core.ops.set_cpu_isa(before)

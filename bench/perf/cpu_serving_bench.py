@@ -5,7 +5,9 @@ Modes (each detected, skipped with a note where this build lacks it):
   pagedserve bf16-kv      float32 arithmetic, bf16 KV cache (kv_cache_dtype bfloat16)
   pagedserve bfloat16     bf16 activations into the matmuls (cpu_precision bfloat16; KV bf16 by its rule)
   pagedserve int8         int8 weights (quantization int8)
-  pagedserve gguf         a GGUF checkpoint, e.g. Q4_1 (--gguf FILE)
+  pagedserve gguf         a GGUF checkpoint, e.g. Q4_1 (--gguf FILE), Q4_0 / Q4_1 / Q8_0 blocks interleaved at load
+  pagedserve gguf-file-layout   the same with the blocks left in the file's layout (the kernels before
+                          cpp/ops/gguf_interleaved.h), for before/after figures
   transformers bf16       AutoModelForCausalLM.generate, static batches, torch threads = --threads
 
 Per mode and round, one subprocess (so each engine's own peak RSS is measured) loads the model and
@@ -64,6 +66,7 @@ def modes(gguf: str | None) -> dict[str, dict]:
         found["pagedserve int8"] = {"quantization": "int8"}
     if gguf:
         found["pagedserve gguf"] = {"model": gguf}
+        found["pagedserve gguf-file-layout"] = {"model": gguf, "gguf_file_layout": True}
     found[HF] = None
     return found
 
@@ -124,6 +127,9 @@ def pagedserve_engine(spec):
 
     options = dict(spec["options"])
     model = options.pop("model", spec["model"])
+    if options.pop("gguf_file_layout", False):  # this child process only: loading keeps the file's layout
+        from pagedserve.models.gguf_linear import Segment
+        Segment.interleaved = lambda segment: segment
     llm = LLM(model, device="cpu", max_num_seqs=max(spec["batches"]), max_model_len=spec["ttft_len"] + 16,
               enable_prefix_caching=False, load_format=spec["load_format"], **options)
     worker = llm.llm_engine.worker

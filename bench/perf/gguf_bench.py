@@ -1,13 +1,17 @@
 """GGUF on the CPU: the block kernels' weight bandwidth and a batch-1 decode step, Q4_1 GGUF vs bf16.
 
 Kernels: ops.gguf_linear at M = 1 (a decode step's product) on SmolLM2-135M's shapes (the tied
-LM head 49152 x 576, the merged gate/up 3072 x 576, down 576 x 1536) for each block format,
-reported as GB/s of weight bytes streamed, beside the bf16 tiles (ops.packed_linear) the bf16
-model runs. The K-quants (256-weight super-blocks) run those shapes with K rounded up to 768.
+LM head 49152 x 576, the merged gate/up 3072 x 576, down 576 x 1536) for each block format, in
+the file's layout and, for Q4_0 / Q4_1 / Q8_0, interleaved as loading makes them
+(cpp/ops/gguf_interleaved.h), reported as GB/s of weight bytes streamed, beside the bf16 tiles
+(ops.packed_linear) the bf16 model runs. The K-quants (256-weight super-blocks) run those shapes
+with K rounded up to 768. The weights stay in cache between repeats (the figures are the
+kernels' rate, not DRAM's; a decode step streams from DRAM).
 
-Decode: the default model from its shipped Q4_1 GGUF (blocks kept) and from the bf16 directory
-converted from it, one request generating N tokens greedily, the two engines interleaved round by
-round so a busy machine slows both alike; ms per generated token and their ratio.
+Decode: the default model from its shipped Q4_1 GGUF (blocks kept and interleaved, as loading
+does), the same with the blocks left in the file's layout, and the bf16 directory converted from
+it, one request generating N tokens greedily, the engines interleaved round by round so a busy
+machine slows all alike; ms per generated token and the time ratios.
 
     PYTHONPATH=python python bench/perf/gguf_bench.py [--repeats 30] [--rounds 5] [--tokens 64]
     python bench/perf/gguf_bench.py --quick     # few repeats and tokens: checks the script works
@@ -32,7 +36,9 @@ from pagedserve import ops  # noqa: E402
 
 SHAPES = {"lm_head": (49152, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+INTERLEAVED = " interleaved"  # a format name with this suffix: its blocks through ops.gguf_interleave
 PROMPT = "Write a short story about a lighthouse keeper."
+FILE_LAYOUT = "Q4_1 GGUF, file layout"
 
 
 def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
@@ -77,11 +83,18 @@ def bench_kernels(formats: list[str], repeats: int) -> list[dict]:
         for type_name in formats:
             # K-quants need K % 256 == 0 (576 is not: llama.cpp stores such tensors in other formats), so they
             # run K rounded up (768 for 576): compare their GB/s, not their microseconds, with the others'.
-            elems = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]
+            file_type = type_name.removesuffix(INTERLEAVED)
+            elems = GGML_QUANT_SIZES[GGMLQuantizationType[file_type]][0]
             k_type = -(-k // elems) * elems
             x_type = x if k_type == k else torch.randn(1, k_type)
-            blocks = random_blocks(type_name, n, k_type, rng)
-            qtype = int(GGMLQuantizationType[type_name])
+            blocks = random_blocks(file_type, n, k_type, rng)
+            qtype = int(GGMLQuantizationType[file_type])
+            if type_name.endswith(INTERLEAVED):
+                made = ops.gguf_interleave(blocks, qtype)
+                if made is None:
+                    print(f"{type_name}: no interleaved kernels at this ISA level ({ops.cpu_isa()}); skipped")
+                    continue
+                blocks, qtype = made
             seconds = median_seconds(lambda: ops.gguf_linear(out, x_type, blocks, qtype), repeats)
             rows.append(dict(shape=shape_name, n=n, k=k_type, format=type_name, us=round(seconds * 1e6, 1),
                              weight_mb=round(blocks.numel() / 1e6, 2), gb_s=round(blocks.numel() / seconds / 1e9, 2)))
@@ -92,8 +105,16 @@ def bench_decode(rounds: int, tokens: int) -> dict:
     from pagedserve import LLM, SamplingParams
     from pagedserve.models.default_model import default_gguf_path, default_model_dir
 
-    engines = {"Q4_1 GGUF": LLM(model=str(default_gguf_path()), kv_cache_memory_gb=0.25),
-               "bf16": LLM(model=str(default_model_dir()), kv_cache_memory_gb=0.25)}
+    from pagedserve.models.gguf_linear import Segment
+
+    engines = {"Q4_1 GGUF": LLM(model=str(default_gguf_path()), kv_cache_memory_gb=0.25)}
+    interleaved = Segment.interleaved
+    Segment.interleaved = lambda segment: segment  # this engine only: the blocks keep the file's layout
+    try:
+        engines[FILE_LAYOUT] = LLM(model=str(default_gguf_path()), kv_cache_memory_gb=0.25)
+    finally:
+        Segment.interleaved = interleaved
+    engines["bf16"] = LLM(model=str(default_model_dir()), kv_cache_memory_gb=0.25)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     for llm in engines.values():  # warm up
         llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
@@ -104,10 +125,12 @@ def bench_decode(rounds: int, tokens: int) -> dict:
             llm.generate([PROMPT], params, use_tqdm=False)
             samples[name].append((time.perf_counter() - start) / tokens * 1e3)
     ms = {name: statistics.median(values) for name, values in samples.items()}
-    ratios = [b / q for q, b in zip(samples["Q4_1 GGUF"], samples["bf16"])]
+    def ratio(slow: str) -> float:  # median over rounds of that engine's time over the interleaved GGUF's
+        return round(statistics.median(s / q for q, s in zip(samples["Q4_1 GGUF"], samples[slow])), 3)
+
     return dict(tokens=tokens, rounds=rounds, ms_per_token={k: round(v, 3) for k, v in ms.items()},
                 tok_s={k: round(1e3 / v, 1) for k, v in ms.items()},
-                bf16_over_gguf_time_ratio=round(statistics.median(ratios), 3))
+                bf16_over_gguf_time_ratio=ratio("bf16"), file_layout_over_interleaved_time_ratio=ratio(FILE_LAYOUT))
 
 
 def to_markdown(kernels: list[dict], decode: dict, note: str) -> str:
@@ -119,7 +142,9 @@ def to_markdown(kernels: list[dict], decode: dict, note: str) -> str:
     lines += ["", f"## Decode at batch 1, SmolLM2-135M-Instruct ({decode['tokens']} tokens, {decode['rounds']} "
                   "interleaved rounds)", "", "| weights | ms / token | tok/s |", "|---|---:|---:|"]
     lines += [f"| {name} | {decode['ms_per_token'][name]} | {decode['tok_s'][name]} |" for name in decode["ms_per_token"]]
-    lines += ["", f"bf16 time / GGUF time, median over rounds: {decode['bf16_over_gguf_time_ratio']}", ""]
+    lines += ["", "Time ratios, median over rounds: bf16 / Q4_1 GGUF "
+                  f"{decode['bf16_over_gguf_time_ratio']}; file layout / interleaved "
+                  f"{decode['file_layout_over_interleaved_time_ratio']}", ""]
     return "\n".join(lines)
 
 
@@ -132,6 +157,7 @@ def main():
     args = parser.parse_args()
     repeats = args.repeats or (3 if args.quick else 30)
     formats = ["Q4_1", "Q8_0"] if args.quick else FORMATS
+    formats += [f + INTERLEAVED for f in ("Q4_0", "Q4_1", "Q8_0") if f in formats]
     with torch.inference_mode():
         kernels = bench_kernels(formats, repeats)
     for r in kernels:

@@ -44,9 +44,13 @@
 #endif
 
 #include "ops/cpu_isa.h"
+#include "ops/gguf_interleaved.h"
 #include "ops/parallel.h"
+#include "ops/tensor_view.h"
 
 namespace pagedserve::ops::gguf {
+
+
 
 #if PS_X86_MULTIVERSION
 #pragma GCC diagnostic push
@@ -90,7 +94,14 @@ PS_GGUF_KERNEL void quantize_row(const float* x, int64_t k_size, int8_t* q, floa
   }
 }
 
+// int32 lanes straight away (gguf_int8_interleaved.inc).
+PS_GGUF_INLINE __m256i q4_add(__m256i acc, __m256i lo, __m256i hi, __m256i x_lo, __m256i x_hi) {
+  return dot_u8s8(dot_u8s8(acc, lo, x_lo), hi, x_hi);
+}
+PS_GGUF_INLINE __m256i q4_total(__m256i acc) { return acc; }
+
 #include "ops/gguf_int8_kernels.inc"
+#include "ops/gguf_int8_interleaved.inc"
 
 #undef PS_GGUF_INLINE
 #undef PS_GGUF_KERNEL
@@ -139,7 +150,14 @@ PS_GGUF_KERNEL void quantize_row(const float* x, int64_t k_size, int8_t* q, floa
   }
 }
 
+// int16 pairs for a whole block, widened once (gguf_int8_interleaved.inc: the bound).
+PS_GGUF_INLINE __m256i q4_add(__m256i acc, __m256i lo, __m256i hi, __m256i x_lo, __m256i x_hi) {
+  return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi)));
+}
+PS_GGUF_INLINE __m256i q4_total(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+
 #include "ops/gguf_int8_kernels.inc"
+#include "ops/gguf_int8_interleaved.inc"
 
 #undef PS_GGUF_INLINE
 #undef PS_GGUF_KERNEL
@@ -159,7 +177,22 @@ void run_on_this_cpu(const LinearArgs& args) {
   avx2::run<kType>(args);
 }
 
+template <BlockType kType>
+void run_interleaved_on_this_cpu(const LinearArgs& args) {
+  if (cpu_isa() >= CpuIsa::kAvx512 && has_avx512_vnni()) return vnni::interleaved::run<kType>(args);
+  avx2::interleaved::run<kType>(args);
+}
+
 }  // namespace
+
+void linear_int8_interleaved(BlockType type, const LinearArgs& args) {
+  switch (type) {
+    case BlockType::kQ4_0: return run_interleaved_on_this_cpu<BlockType::kQ4_0>(args);
+    case BlockType::kQ4_1: return run_interleaved_on_this_cpu<BlockType::kQ4_1>(args);
+    case BlockType::kQ8_0: return run_interleaved_on_this_cpu<BlockType::kQ8_0>(args);
+    default: fail_argument("gguf_linear", "no interleaved layout for this format");
+  }
+}
 
 void linear_int8_activations(BlockType type, const LinearArgs& args) {
   switch (type) {
@@ -176,6 +209,7 @@ void linear_int8_activations(BlockType type, const LinearArgs& args) {
 
 bool int8_activations_apply(BlockType) { return false; }
 void linear_int8_activations(BlockType, const LinearArgs&) {}
+void linear_int8_interleaved(BlockType, const LinearArgs&) {}
 
 #endif
 

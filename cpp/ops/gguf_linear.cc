@@ -29,6 +29,7 @@
 #include "ops/gguf_blocks.h"
 #include "ops/gguf_decode_avx512.h"
 #include "ops/gguf_int8.h"
+#include "ops/gguf_interleaved.h"
 #include "ops/gguf_ops.h"
 #include "ops/op_contracts.h"
 #include "ops/parallel.h"
@@ -223,17 +224,31 @@ void run_linear(const GgufProblem& p) {
   });
 }
 
-// The blocks tensor [N, row_bytes] for rows of k_size weights; returns the format.
-const BlockFormat& check_blocks(std::string_view op, const TensorView& blocks, int64_t type, int64_t k_size) {
-  const BlockFormat& format = gguf::block_format(type, std::string(op).c_str());
-  require_tensor_of(op, "blocks", blocks, Device::kCPU, 2, DType::kUInt8);
-  PS_REQUIRE(k_size % format.elems == 0, op,
-             "K = " + std::to_string(k_size) + " is not a multiple of " + format.name + "'s " +
-                 std::to_string(format.elems) + "-weight blocks");
-  PS_REQUIRE(blocks.size(1) == k_size / format.elems * format.bytes, op,
-             "blocks has " + std::to_string(blocks.size(1)) + " bytes per row; " + format.name + " rows of K = " +
-                 std::to_string(k_size) + " take " + std::to_string(k_size / format.elems * format.bytes));
-  return format;
+
+void run_float32(const gguf::LinearArgs& args, const BlockFormat& format) {
+  const GgufProblem p{args, args.in_features / format.elems};
+  gguf::dispatch_block_type(format.type, [&]<BlockType kType>() { run_linear<kType>(p); });
+}
+
+// Interleaved blocks: the int8-activation kernels' own layout. Below the AVX2 level (a test that
+// lowered it after loading) each 64 rows go back to the file's layout for the float32 kernels.
+void run_interleaved(const gguf::LinearArgs& args, const BlockFormat& format) {
+  if (gguf::int8_activations_apply(format.type)) return gguf::linear_int8_interleaved(format.type, args);
+  constexpr int64_t kChunkGroups = 8;
+  const int64_t groups = args.out_features / gguf::kInterleavedRows;
+  const int64_t group_bytes = gguf::kInterleavedRows * args.row_bytes;
+  std::vector<uint8_t> rows(static_cast<size_t>(kChunkGroups * group_bytes));
+  for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
+    const int64_t count = std::min(kChunkGroups, groups - g0);
+    const int64_t first = g0 * gguf::kInterleavedRows;
+    gguf::deinterleave_groups(format.type, args.blocks + g0 * group_bytes, rows.data(), count, args.row_bytes);
+    gguf::LinearArgs part = args;
+    part.blocks = rows.data();
+    part.bias = args.bias ? args.bias + first : nullptr;
+    part.out = args.out + first;
+    part.out_features = count * gguf::kInterleavedRows;
+    run_float32(part, format);
+  }
 }
 
 }  // namespace
@@ -247,7 +262,7 @@ void gguf_linear(const TensorView& out, const TensorView& x, const TensorView& b
   require_ndim(op, "out", out, 2);
   const int64_t rows = x.size(0);
   const int64_t k_size = x.size(1);
-  const BlockFormat& format = check_blocks(op, blocks, type, k_size);
+  const BlockFormat& format = gguf::check_block_matrix(op, blocks, type, k_size);
   const int64_t n_size = blocks.size(0);
   require_size(op, "out", out, 0, rows);
   require_size(op, "out", out, 1, n_size);
@@ -259,42 +274,12 @@ void gguf_linear(const TensorView& out, const TensorView& x, const TensorView& b
   }
   const gguf::LinearArgs args{x.ptr<float>(), blocks.ptr<uint8_t>(), bias ? bias->ptr<float>() : nullptr,
                               out.ptr<float>(), rows, k_size, n_size, out.stride(0), blocks.size(1)};
+  if (gguf::is_interleaved_type(type)) return run_interleaved(args, format);
   if (gguf::int8_activations_apply(format.type)) {  // AVX2 and above: int8 activations (gguf_int8.h)
     return gguf::linear_int8_activations(format.type, args);
   }
-  const GgufProblem p{args, k_size / format.elems};
-  gguf::dispatch_block_type(format.type, [&]<BlockType kType>() { run_linear<kType>(p); });
+  run_float32(args, format);
 }
 
-void gguf_dequantize_rows(const TensorView& out, const TensorView& blocks, int64_t type, const TensorView& ids) {
-  constexpr std::string_view op = "gguf_dequantize_rows";
-  require_tensor_of(op, "out", out, Device::kCPU, 2, DType::kFloat32);
-  require_tensor(op, "ids", ids, Device::kCPU, 1);
-  PS_REQUIRE(ids.dtype == DType::kInt32 || ids.dtype == DType::kInt64, op,
-             "ids must be int32 or int64, got " + std::string(dtype_name(ids.dtype)));
-  const int64_t k_size = out.size(1);
-  const BlockFormat& format = check_blocks(op, blocks, type, k_size);
-  require_size(op, "out", out, 0, ids.size(0));
-  const int64_t n_size = blocks.size(0);
-  auto id_at = [&](int64_t r) {
-    return ids.dtype == DType::kInt32 ? int64_t{ids.ptr<int32_t>()[r]} : ids.ptr<int64_t>()[r];
-  };
-  for (int64_t r = 0; r < ids.size(0); ++r) {
-    const int64_t id = id_at(r);
-    PS_REQUIRE(id >= 0 && id < n_size, op,
-               "ids[" + std::to_string(r) + "] = " + std::to_string(id) + " is outside [0, " +
-                   std::to_string(n_size) + ")");
-  }
-  const uint8_t* data = blocks.ptr<uint8_t>();
-  float* dst = out.ptr<float>();
-  const int64_t row_bytes = blocks.size(1);
-  gguf::dispatch_block_type(format.type, [&]<BlockType kType>() {
-    with_cpu_isa([&]() PS_INLINE_BODY {
-      for (int64_t r = 0; r < ids.size(0); ++r) {
-        gguf::decode_blocks<kType>(data + id_at(r) * row_bytes, k_size / format.elems, dst + r * k_size);
-      }
-    });
-  });
-}
 
 }  // namespace pagedserve::ops

@@ -8,7 +8,9 @@ that is a row permutation of the block bytes: nothing is dequantized.
 
 On the CPU a quantized linear becomes a ``GgufLinear`` kernel over its blocks
 (the layer's float weight is dropped), a quantized embedding a ``GgufRows``
-lookup, and a tied LM head the same blocks through ``GgufLinear``. On other
+lookup, and a tied LM head the same blocks through ``GgufLinear``; Q4_0, Q4_1
+and Q8_0 blocks are first interleaved eight rows at a time where the CPU has
+the kernels for that layout (``Segment.interleaved``; still no dequantizing). On other
 devices quantized tensors are dequantized (gguf.quants) into the dense
 parameters. F32/F16/BF16 tensors (norms, biases, small models' matrices) are
 copied into the parameters as any checkpoint's.
@@ -86,7 +88,8 @@ class GgufLoader:
         module = hf_name.rpartition(".")[0]
         if module.split(".", 3)[-1] in _ROPE_PERMUTED.get(self.gguf.architecture, ()):
             weight = weight[unpermute_rope_rows(rows, self.config.head_dim)]
-        return Segment(weight.contiguous(), tensor.ggml_type if tensor.quantized else None)
+        segment = Segment(weight.contiguous(), tensor.ggml_type if tensor.quantized else None)
+        return segment.interleaved() if self.on_cpu else segment
 
     def dense(self, segment: Segment) -> torch.Tensor:
         if segment.ggml_type is None:

@@ -1,0 +1,69 @@
+// GGUF blocks of eight weight rows interleaved, made once at load
+// (gguf_interleave) for the int8-activation kernels (gguf_int8.h).
+//
+// Why: in the file's layout a decode step (M = 1) multiplies one row's block
+// at a time, and each block's 32 products end in 8 int32 lanes that need a
+// conversion, two multiply-adds and, at the end, a horizontal sum: ~22
+// instructions per 20-byte Q4_1 block, which bounds the default model's
+// decode by instructions, not memory (Zen 3, one thread: ~5.3 cycles a block;
+// the 2-core Intel host: 72 tok/s). Interleaved, the same block of eight rows
+// lies side by side so that int32 lane r of one register is row r: a
+// broadcast of 4 activation bytes meets 4 weights of each of the 8 rows in
+// one vpdpbusd, the 8 rows' scales convert in one instruction, and no lane
+// sum remains (~6 instructions a row-block on AVX2). The same layout serves
+// every M (prefill too), so results stay batch invariant.
+//
+// Layout, for the formats of 32-weight blocks (Q4_0, Q4_1, Q8_0): the rows
+// of a matrix [N, row_bytes] (N a multiple of 8) in groups of 8; group g
+// (rows 8g .. 8g + 7) takes the same bytes as those rows did, at
+// g * 8 * row_bytes, block b of the group at b * 8 * block_bytes:
+//
+//   Q4_0  d[8] (float16, row r at 2r), then 4 chunks of 32 code bytes
+//   Q4_1  d[8], m[8], then 4 chunks of 32 code bytes
+//   Q8_0  d[8], then 8 chunks of 32 code bytes
+//
+// Chunk c's byte 4r + i is row r's code byte 4c + i: Q4's byte j holds
+// weights j (low nibble) and j + 16 (high), so chunk c's low nibbles are
+// weights 4c .. 4c + 3 of each row and its high nibbles weights 16 + 4c ..;
+// Q8_0's chunk c holds weights 4c .. 4c + 3. Nothing is decoded or rounded:
+// the bytes are permuted, and deinterleave_rows undoes it exactly.
+//
+// Type numbers: an interleaved matrix carries its format's ggml type number
+// plus kInterleavedTypeFlag (Q4_1: 3 + 256), so the ops (gguf_ops.h) know
+// which layout they read.
+#pragma once
+
+#include <cstdint>
+
+#include <string_view>
+
+#include "ops/gguf_blocks.h"
+#include "ops/tensor_view.h"
+
+namespace pagedserve::ops::gguf {
+
+inline constexpr int kInterleavedRows = 8;
+inline constexpr int64_t kInterleavedTypeFlag = 256;
+
+// The formats with an interleaved layout.
+constexpr bool has_interleaved_layout(BlockType t) {
+  return t == BlockType::kQ4_0 || t == BlockType::kQ4_1 || t == BlockType::kQ8_0;
+}
+
+inline bool is_interleaved_type(int64_t type) { return (type & kInterleavedTypeFlag) != 0; }
+inline int64_t file_type_of(int64_t type) { return type & ~kInterleavedTypeFlag; }
+
+// src [rows, row_bytes] in the file's layout -> dst in the interleaved one (rows a multiple of 8).
+void interleave_rows(BlockType type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes);
+
+// The inverse: `groups` groups of 8 interleaved rows -> 8 * groups rows in the file's layout.
+void deinterleave_groups(BlockType type, const uint8_t* src, uint8_t* dst, int64_t groups, int64_t row_bytes);
+
+// Checks `blocks` as a matrix [N, row_bytes] uint8 of ggml type `type` (either layout) for rows of
+// k_size weights, throwing std::invalid_argument naming `op`; returns the format.
+const BlockFormat& check_block_matrix(std::string_view op, const TensorView& blocks, int64_t type, int64_t k_size);
+
+// Row n of an interleaved matrix, in the file's layout (row_bytes bytes at dst).
+void deinterleave_row(BlockType type, const uint8_t* src, int64_t n, uint8_t* dst, int64_t row_bytes);
+
+}  // namespace pagedserve::ops::gguf
