@@ -13,7 +13,8 @@
 # with the call; it gets this build's extension. Interleaved rounds of $AB_CASES: tiny (TinyLlama shape at 1 and 64
 # concurrent, the model's max_model_len), tiny_short (at 1, max_model_len 190), smol (SmolLM2 shape at 64, its
 # max_model_len), long (the long workload). For changes to python/ only.)
-# (cpu_host on request: the CPU kernels and CPU serving bench on the host's CPU, pinned to 2 cores)
+# (cpu_host on request: the CPU kernels and CPU serving bench on the host's CPU, pinned to 2 cores; with the
+# model wheel also gguf_bench)
 # Several GPUs (nvidia-h200-x2, on request): tp_tests (NCCL TP = 2 vs 1, faults; tp_server: the same through the
 # server, and DP = 2 placement), tp_agreement, tp_e2e (Llama-3-8B shape, TP 1 and 2), tp_kernels (the all-reduce
 # share of a decode step), dp_engine and dp_serve (TinyLlama shape, DP 1 vs 2, engine only / through the server).
@@ -167,8 +168,12 @@ for stage in "${STAGES[@]}"; do
         gguf=$(python3 -m pagedserve.models.default_model --gguf 2>/dev/null | tail -n 1)
         model_args=(${gguf:+--gguf "$gguf"})
       fi
+      # $CPU_MODES: a comma-separated subset of the bench's modes (e.g. "pagedserve gguf,pagedserve gguf-file-layout").
       run_stage cpu_serving taskset -c 0,1 python3 bench/perf/cpu_serving_bench.py --rounds "${CPU_ROUNDS:-1}" \
-        "${model_args[@]}" --out "$RUN" ;;
+        "${model_args[@]}" ${CPU_MODES:+--modes "$CPU_MODES"} --out "$RUN"
+      if [ -n "${PAGEDSERVE_SMOLLM2_WHEEL:-}" ]; then  # the GGUF kernels' GB/s and batch-1 decode, both layouts
+        run_stage cpu_gguf taskset -c 0,1 python3 bench/perf/gguf_bench.py --repeats 20 --rounds 3 --out "$RUN"
+      fi ;;
     tp_tests)
       run_stage tp_tests timeout 420 python3 -m pytest tests_py/test_gpu_tensor_parallel.py -v -s -p no:cacheprovider \
         -k "not server" ;;
