@@ -13,6 +13,12 @@ results are checked twice: tightly (1e-5 of the summed magnitudes) against a flo
 oracle of the same arithmetic (x_q, d_x from int8_activations() below, the blocks' integer
 codes and scales), and against the dequantized float64 product with the bound that
 rounding x implies: each element moves by at most d_x / 2 = max|x_block| / 254.
+
+Interleaved blocks (cpp/ops/gguf_interleaved.h; Q4_0, Q4_1, Q8_0, eight rows side by side, as loading makes
+them at AVX2 and above): the rearrangement loses no byte and row lookups decode as before; the product equals,
+bit for bit, its float32 steps written in numpy below (one exact integer dot per row and block), at every ISA
+level with such kernels (so AVX2's and VNNI's bits are the same), for one row alone as in a batch, on one
+thread as on two; below AVX2 the rows go back to the file's layout for the float32 kernels.
 """
 
 from __future__ import annotations

@@ -107,14 +107,14 @@ def bench_decode(rounds: int, tokens: int) -> dict:
 
     from pagedserve.models.gguf_linear import Segment
 
-    engines = {"Q4_1 GGUF": LLM(model=str(default_gguf_path()), kv_cache_memory_gb=0.25)}
+    engines = {"Q4_1 GGUF": LLM(model=str(default_gguf_path()), device="cpu", kv_cache_memory_gb=0.25)}
     interleaved = Segment.interleaved
     Segment.interleaved = lambda segment: segment  # this engine only: the blocks keep the file's layout
     try:
-        engines[FILE_LAYOUT] = LLM(model=str(default_gguf_path()), kv_cache_memory_gb=0.25)
+        engines[FILE_LAYOUT] = LLM(model=str(default_gguf_path()), device="cpu", kv_cache_memory_gb=0.25)
     finally:
         Segment.interleaved = interleaved
-    engines["bf16"] = LLM(model=str(default_model_dir()), kv_cache_memory_gb=0.25)
+    engines["bf16"] = LLM(model=str(default_model_dir()), device="cpu", kv_cache_memory_gb=0.25)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     for llm in engines.values():  # warm up
         llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)

@@ -22,7 +22,8 @@
 // order.
 //
 // Two instruction sets, one arithmetic (gguf_int8_kernels.inc holds the
-// kernels, included once for each):
+// kernels, and gguf_int8_interleaved.inc those over interleaved blocks
+// (gguf_interleaved.h), each included once per set):
 //   avx512_vnni  vpdpbusd: 4 u8 x s8 products into each int32 lane;
 //   avx2         vpmaddubsw then vpmaddwd by ones, the same 4 products into
 //                the same lane (Zen 3, Haswell and later; AVX-512 CPUs without
@@ -95,9 +96,7 @@ PS_GGUF_KERNEL void quantize_row(const float* x, int64_t k_size, int8_t* q, floa
 }
 
 // int32 lanes straight away (gguf_int8_interleaved.inc).
-PS_GGUF_INLINE __m256i q4_add(__m256i acc, __m256i lo, __m256i hi, __m256i x_lo, __m256i x_hi) {
-  return dot_u8s8(dot_u8s8(acc, lo, x_lo), hi, x_hi);
-}
+PS_GGUF_INLINE __m256i q4_add(__m256i acc, __m256i codes, __m256i x) { return dot_u8s8(acc, codes, x); }
 PS_GGUF_INLINE __m256i q4_total(__m256i acc) { return acc; }
 
 #include "ops/gguf_int8_kernels.inc"
@@ -150,9 +149,9 @@ PS_GGUF_KERNEL void quantize_row(const float* x, int64_t k_size, int8_t* q, floa
   }
 }
 
-// int16 pairs for a whole block, widened once (gguf_int8_interleaved.inc: the bound).
-PS_GGUF_INLINE __m256i q4_add(__m256i acc, __m256i lo, __m256i hi, __m256i x_lo, __m256i x_hi) {
-  return _mm256_add_epi16(acc, _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi)));
+// int16 pairs for half a block, widened once (gguf_int8_interleaved.inc: the bound).
+PS_GGUF_INLINE __m256i q4_add(__m256i acc, __m256i codes, __m256i x) {
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(codes, x));
 }
 PS_GGUF_INLINE __m256i q4_total(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 

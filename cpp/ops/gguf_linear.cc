@@ -9,7 +9,8 @@
 // float32 kernels keep the result within float32 rounding of the dequantized
 // matrix product; they run every format below the AVX2 level. At AVX2 and
 // above, every format takes gguf_int8.h's int8-activation kernels instead,
-// for every M (batch invariant).
+// for every M (batch invariant), over the file's layout or the interleaved
+// one loading makes (gguf_interleaved.h).
 //
 // Kernels: the decoders are gguf_blocks.h's loops, compiled per ISA level;
 // the dot products run as AVX-512 FMAs (4 rows of x x 4 weight rows = 16
@@ -224,7 +225,6 @@ void run_linear(const GgufProblem& p) {
   });
 }
 
-
 void run_float32(const gguf::LinearArgs& args, const BlockFormat& format) {
   const GgufProblem p{args, args.in_features / format.elems};
   gguf::dispatch_block_type(format.type, [&]<BlockType kType>() { run_linear<kType>(p); });
@@ -280,6 +280,5 @@ void gguf_linear(const TensorView& out, const TensorView& x, const TensorView& b
   }
   run_float32(args, format);
 }
-
 
 }  // namespace pagedserve::ops
