@@ -60,6 +60,10 @@ def mode(request):
 
 @pytest.fixture(scope="module")
 def engines(mode, default_model_path):
+    from pagedserve.engine_config import EngineConfig, resolve_cpu_precision
+
+    if mode == "float32" and resolve_cpu_precision(EngineConfig(), "cpu", checkpoint_is_bf16=True) == "float32":
+        pytest.skip("the default mode is float32 on this CPU (no bf16 dot product): the same engines")
     if mode == "gguf":
         from pagedserve.models.default_model import default_gguf_path
         default_model_path = default_gguf_path()
