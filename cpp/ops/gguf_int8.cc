@@ -100,7 +100,9 @@ PS_GGUF_INLINE __m256i q4_add(__m256i acc, __m256i codes, __m256i x) { return do
 PS_GGUF_INLINE __m256i q4_total(__m256i acc) { return acc; }
 
 #include "ops/gguf_int8_kernels.inc"
+#define PS_GGUF_WIDE 1
 #include "ops/gguf_int8_interleaved.inc"
+#undef PS_GGUF_WIDE
 
 #undef PS_GGUF_INLINE
 #undef PS_GGUF_KERNEL
@@ -156,7 +158,9 @@ PS_GGUF_INLINE __m256i q4_add(__m256i acc, __m256i codes, __m256i x) {
 PS_GGUF_INLINE __m256i q4_total(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 
 #include "ops/gguf_int8_kernels.inc"
+#define PS_GGUF_WIDE 0
 #include "ops/gguf_int8_interleaved.inc"
+#undef PS_GGUF_WIDE
 
 #undef PS_GGUF_INLINE
 #undef PS_GGUF_KERNEL
