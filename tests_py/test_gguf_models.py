@@ -247,6 +247,10 @@ def weight_bytes(model) -> int:
 
 def test_default_q4_1_gguf_vs_its_bf16_conversion(default_gguf, default_model_path, tmp_path):
     quantized = ours_from(gguf_model_dir(default_gguf, tmp_path / "cache"))
+    if _core.ops.cpu_isa() != "baseline":  # every linear and the tied head interleaved at load
+        kernels = [m.kernel for m in quantized.modules() if getattr(m, "kernel", None) is not None]
+        assert len(kernels) == 4 * 30 and quantized.lm_head_kernel is not None
+        assert all(s.ggml_type >= 256 for k in kernels + [quantized.lm_head_kernel] for s in k.segments)
     dense = ours_from(default_model_path)
     prompts = {"p1": [1, 504, 3575, 282, 4649, 314], "p2": [1, 9690, 198, 2683, 359, 253, 5356, 30, 28, 11, 3000],
                "p3": list(range(300, 340))}

@@ -374,7 +374,10 @@ def test_interleaved_linear_is_its_arithmetic_bit_for_bit(qtype, m, cpu_isa):
             _core.ops.set_cpu_isa(before)
         x = rng.standard_normal((m, k)).astype(np.float32)
         bias = rng.standard_normal(n).astype(np.float32)
-        y = run_interleaved(x, interleaved, interleaved_type, bias)
+        wide = torch.full((m, n + 11), -7.0)  # the product into columns 3 .. n + 3 of a wider output
+        ops.gguf_linear(wide[:, 3:n + 3], torch.from_numpy(x), interleaved, interleaved_type, torch.from_numpy(bias))
+        assert (wide[:, :3] == -7).all() and (wide[:, n + 3:] == -7).all()
+        y = wide[:, 3:n + 3].contiguous()
         if cpu_isa == "baseline":
             assert torch.equal(y, run(x, blocks, qtype, bias))  # the float32 kernels on the same rows
             assert_matches_float64(y, x, dequantized(blocks, qtype), bias)
@@ -385,8 +388,8 @@ def test_interleaved_linear_is_its_arithmetic_bit_for_bit(qtype, m, cpu_isa):
 
 @pytest.mark.parametrize("qtype", INTERLEAVED_TYPES, ids=lambda t: t.name)
 def test_interleaved_linear_edge_activations(qtype):
-    """Zero blocks, a negative maximum, the extremes +-127 of x_q: AVX2 keeps Q4 sums in int16 for a
-    whole block (at most 8 x 2 x 15 x 127 = 30480), Q8_0 as |w| x sign(w) x_q; both must stay exact."""
+    """Zero blocks, a negative maximum, the extremes +-127 of x_q: AVX2 keeps Q4 sums in int16 for half a
+    block (at most 4 x 2 x 15 x 127 = 15240), Q8_0 as |w| x sign(w) x_q; both must stay exact."""
     if ops.cpu_isa() == "baseline":
         pytest.skip("no interleaved kernels below the AVX2 level")
     rng = np.random.default_rng(41)
@@ -428,15 +431,21 @@ def test_interleaved_one_row_one_thread_equal_a_batch_on_two(qtype):
 def test_interleave_refuses_what_has_no_such_layout():
     assert ops.gguf_interleave(torch.zeros(8, 144, dtype=torch.uint8), int(T.Q4_K)) is None  # a K-quant
     assert ops.gguf_interleave(torch.zeros(12, 20, dtype=torch.uint8), int(T.Q4_1)) is None  # 12 rows
-    with pytest.raises(ValueError, match="gguf_interleave: Q4_K has no interleaved layout; Q4_0, Q4_1 and Q8_0 have"):
-        blocks = torch.zeros(8, 144, dtype=torch.uint8)
+    blocks = torch.zeros(8, 144, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"gguf_interleave: Q4_K has no interleaved layout \(Q4_0, Q4_1 and Q8_0 have\)"):
         _core.ops.gguf_interleave(ops._dl(torch.empty_like(blocks)), ops._dl(blocks), int(T.Q4_K))
-    with pytest.raises(ValueError, match="gguf_linear: interleaved blocks come in groups of 8 rows, got 12"):
+    blocks = torch.zeros(8, 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="gguf_interleave: out must be another tensor than blocks"):
+        _core.ops.gguf_interleave(ops._dl(blocks), ops._dl(blocks), int(T.Q4_1))
+    with pytest.raises(ValueError, match="gguf_linear: type 259: the interleaved layout takes rows in groups of 8, "
+                                         "got 12"):
         ops.gguf_linear(torch.empty(1, 12), torch.zeros(1, 32), torch.zeros(12, 20, dtype=torch.uint8),
                         int(T.Q4_1) + 256)
-    with pytest.raises(ValueError, match=r"gguf_linear: Q4_K has no interleaved layout \(type 268\)"):
+    with pytest.raises(ValueError, match=r"gguf_linear: type 268: Q4_K has no interleaved layout"):
         ops.gguf_linear(torch.empty(1, 8), torch.zeros(1, 256), torch.zeros(8, 144, dtype=torch.uint8),
                         int(T.Q4_K) + 256)
+    with pytest.raises(ValueError, match="GGUF tensor type -1 is not supported"):  # not read as -1 + 256
+        ops.gguf_linear(torch.empty(1, 8), torch.zeros(1, 32), torch.zeros(8, 20, dtype=torch.uint8), -1)
 
 
 def test_no_interleaved_layout_below_avx2():

@@ -156,7 +156,7 @@ def main():
     parser.add_argument("--note", default="", help="a line added to the markdown (e.g. about the machine's load)")
     args = parser.parse_args()
     repeats = args.repeats or (3 if args.quick else 30)
-    formats = ["Q4_1", "Q8_0"] if args.quick else FORMATS
+    formats = ["Q4_1", "Q8_0"] if args.quick else list(FORMATS)
     formats += [f + INTERLEAVED for f in ("Q4_0", "Q4_1", "Q8_0") if f in formats]
     with torch.inference_mode():
         kernels = bench_kernels(formats, repeats)

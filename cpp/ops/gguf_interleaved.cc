@@ -2,21 +2,17 @@
 #include "ops/gguf_interleaved.h"
 
 #include <cstring>
-#include <string>
 
-#include "ops/op_contracts.h"
 #include "ops/parallel.h"
 
 namespace pagedserve::ops::gguf {
 namespace {
 
-// A block's parts: float16 scales first (Q4_1: d and m), then code bytes.
+// A block's parts (gguf_interleaved.h's geometry).
 struct BlockParts {
   int header;
   int codes;
-  explicit BlockParts(BlockType type)
-      : header(type == BlockType::kQ4_1 ? 4 : 2),
-        codes(block_format(static_cast<int64_t>(type), "gguf interleave").bytes - header) {}
+  explicit BlockParts(BlockType type) : header(scale_bytes(type)), codes(code_bytes(type)) {}
   int64_t bytes() const { return header + codes; }
 };
 
@@ -77,24 +73,6 @@ void deinterleave_row(BlockType type, const uint8_t* src, int64_t n, uint8_t* ds
       std::memcpy(dst + b * block_bytes + row_offset, group_block + group_offset, bytes);
     });
   }
-}
-
-const BlockFormat& check_block_matrix(std::string_view op, const TensorView& blocks, int64_t type, int64_t k_size) {
-  const BlockFormat& format = block_format(file_type_of(type), std::string(op).c_str());
-  require_tensor_of(op, "blocks", blocks, Device::kCPU, 2, DType::kUInt8);
-  if (is_interleaved_type(type)) {
-    PS_REQUIRE(has_interleaved_layout(format.type), op,
-               std::string(format.name) + " has no interleaved layout (type " + std::to_string(type) + ")");
-    PS_REQUIRE(blocks.size(0) % kInterleavedRows == 0, op,
-               "interleaved blocks come in groups of 8 rows, got " + std::to_string(blocks.size(0)));
-  }
-  PS_REQUIRE(k_size % format.elems == 0, op,
-             "K = " + std::to_string(k_size) + " is not a multiple of " + format.name + "'s " +
-                 std::to_string(format.elems) + "-weight blocks");
-  PS_REQUIRE(blocks.size(1) == k_size / format.elems * format.bytes, op,
-             "blocks has " + std::to_string(blocks.size(1)) + " bytes per row; " + format.name + " rows of K = " +
-                 std::to_string(k_size) + " take " + std::to_string(k_size / format.elems * format.bytes));
-  return format;
 }
 
 }  // namespace pagedserve::ops::gguf

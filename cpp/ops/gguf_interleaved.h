@@ -12,10 +12,10 @@
 // one vpdpbusd, the 8 rows' scales convert in one instruction, and no lane
 // sum remains (~6 instructions a row-block on AVX2). The same layout serves
 // every M (prefill too), so results stay batch invariant. Measured at M = 1,
-// weights in cache, file layout -> interleaved: Q4_1 gate/up 3072 x 576 on
-// one Zen 3 thread 4.8-5.6 -> 17-19 GB/s, on 2 cores of the Intel (AMX) host
-// 12.5 -> 33 GB/s; the default model's decode there 85 -> 143 tok/s
-// (bench/results/intel_amx/session26.md).
+// weights in cache, 2 cores of an Intel (AMX) host, file layout ->
+// interleaved: Q4_1 gate/up 3072 x 576 16.4 -> 50.9 GB/s; the default
+// model's decode at batch 1 70 -> 114 tok/s on that instance, 85 -> 143 on
+// another (bench/results/intel_amx/session26.md).
 //
 // Layout, for the formats of 32-weight blocks (Q4_0, Q4_1, Q8_0): the rows
 // of a matrix [N, row_bytes] (N a multiple of 8) in groups of 8; group g
@@ -30,7 +30,7 @@
 // weights j (low nibble) and j + 16 (high), so chunk c's low nibbles are
 // weights 4c .. 4c + 3 of each row and its high nibbles weights 16 + 4c ..;
 // Q8_0's chunk c holds weights 4c .. 4c + 3. Nothing is decoded or rounded:
-// the bytes are permuted, and deinterleave_rows undoes it exactly.
+// the bytes are permuted, and deinterleave_groups undoes it exactly.
 //
 // Type numbers: an interleaved matrix carries its format's ggml type number
 // plus kInterleavedTypeFlag (Q4_1: 3 + 256), so the ops (gguf_ops.h) know
@@ -39,10 +39,7 @@
 
 #include <cstdint>
 
-#include <string_view>
-
 #include "ops/gguf_blocks.h"
-#include "ops/tensor_view.h"
 
 namespace pagedserve::ops::gguf {
 
@@ -54,18 +51,21 @@ constexpr bool has_interleaved_layout(BlockType t) {
   return t == BlockType::kQ4_0 || t == BlockType::kQ4_1 || t == BlockType::kQ8_0;
 }
 
-inline bool is_interleaved_type(int64_t type) { return (type & kInterleavedTypeFlag) != 0; }
-inline int64_t file_type_of(int64_t type) { return type & ~kInterleavedTypeFlag; }
+// Their blocks' geometry, the one place the kernels and the permutation take it from: float16 scales
+// first (Q4_1: d and m), then the code bytes.
+constexpr int scale_bytes(BlockType t) { return t == BlockType::kQ4_1 ? 4 : 2; }
+constexpr int code_bytes(BlockType t) { return t == BlockType::kQ8_0 ? 32 : 16; }
+constexpr int block_bytes(BlockType t) { return scale_bytes(t) + code_bytes(t); }
+
+// Type numbers: negative ones are no type, and stay as they are (block_format rejects them).
+inline bool is_interleaved_type(int64_t type) { return type >= 0 && (type & kInterleavedTypeFlag) != 0; }
+inline int64_t file_type_of(int64_t type) { return is_interleaved_type(type) ? type & ~kInterleavedTypeFlag : type; }
 
 // src [rows, row_bytes] in the file's layout -> dst in the interleaved one (rows a multiple of 8).
 void interleave_rows(BlockType type, const uint8_t* src, uint8_t* dst, int64_t rows, int64_t row_bytes);
 
 // The inverse: `groups` groups of 8 interleaved rows -> 8 * groups rows in the file's layout.
 void deinterleave_groups(BlockType type, const uint8_t* src, uint8_t* dst, int64_t groups, int64_t row_bytes);
-
-// Checks `blocks` as a matrix [N, row_bytes] uint8 of ggml type `type` (either layout) for rows of
-// k_size weights, throwing std::invalid_argument naming `op`; returns the format.
-const BlockFormat& check_block_matrix(std::string_view op, const TensorView& blocks, int64_t type, int64_t k_size);
 
 // Row n of an interleaved matrix, in the file's layout (row_bytes bytes at dst).
 void deinterleave_row(BlockType type, const uint8_t* src, int64_t n, uint8_t* dst, int64_t row_bytes);

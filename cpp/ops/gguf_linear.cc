@@ -28,6 +28,7 @@
 
 #include "ops/cpu_isa.h"
 #include "ops/gguf_blocks.h"
+#include "ops/gguf_checks.h"
 #include "ops/gguf_decode_avx512.h"
 #include "ops/gguf_int8.h"
 #include "ops/gguf_interleaved.h"

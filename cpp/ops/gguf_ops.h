@@ -34,8 +34,10 @@ void gguf_dequantize_rows(const TensorView& out, const TensorView& blocks, int64
 // (Q4_0, Q4_1, Q8_0 with `rows` a multiple of 8, at the AVX2 level and above), else -1.
 int64_t gguf_interleaved_type(int64_t type, int64_t rows);
 
-// out = blocks of file type `type` in the interleaved layout (same shape, uint8); the result is
-// gguf_linear's and gguf_dequantize_rows' blocks of type gguf_interleaved_type(type, N).
+// out = blocks of file type `type` (Q4_0, Q4_1, Q8_0; N a multiple of 8) in the interleaved layout
+// (same shape, uint8; not in place): gguf_linear's and gguf_dequantize_rows' blocks of type
+// type + 256 at any ISA level (below AVX2 they run through the file's layout again, so loading
+// interleaves only where gguf_interleaved_type says it pays).
 void gguf_interleave(const TensorView& out, const TensorView& blocks, int64_t type);
 
 }  // namespace pagedserve::ops

@@ -6,6 +6,7 @@
 
 #include "ops/cpu_isa.h"
 #include "ops/gguf_blocks.h"
+#include "ops/gguf_checks.h"
 #include "ops/gguf_int8.h"
 #include "ops/gguf_interleaved.h"
 #include "ops/gguf_ops.h"
@@ -56,8 +57,7 @@ void gguf_dequantize_rows(const TensorView& out, const TensorView& blocks, int64
 
 int64_t gguf_interleaved_type(int64_t type, int64_t rows) {
   const BlockFormat& format = gguf::block_format(type, "gguf_interleaved_type");
-  const bool applies = gguf::has_interleaved_layout(format.type) && gguf::int8_activations_apply(format.type) &&
-                       rows > 0 && rows % gguf::kInterleavedRows == 0;
+  const bool applies = gguf::why_not_interleavable(format, rows).empty() && gguf::int8_activations_apply(format.type);
   return applies ? type | gguf::kInterleavedTypeFlag : -1;
 }
 
@@ -65,15 +65,14 @@ void gguf_interleave(const TensorView& out, const TensorView& blocks, int64_t ty
   constexpr std::string_view op = "gguf_interleave";
   const BlockFormat& format = gguf::block_format(type, std::string(op).c_str());
   require_tensor_of(op, "blocks", blocks, Device::kCPU, 2, DType::kUInt8);
-  PS_REQUIRE(gguf::has_interleaved_layout(format.type), op,
-             std::string(format.name) + " has no interleaved layout; Q4_0, Q4_1 and Q8_0 have");
-  PS_REQUIRE(blocks.size(0) % gguf::kInterleavedRows == 0, op,
-             "the rows come in groups of 8, got " + std::to_string(blocks.size(0)));
+  const std::string reason = gguf::why_not_interleavable(format, blocks.size(0));
+  PS_REQUIRE(reason.empty(), op, reason);
   PS_REQUIRE(blocks.size(1) % format.bytes == 0, op,
              std::to_string(blocks.size(1)) + " bytes per row is not a whole number of " + format.name + " blocks");
   require_tensor_of(op, "out", out, Device::kCPU, 2, DType::kUInt8);
   require_size(op, "out", out, 0, blocks.size(0));
   require_size(op, "out", out, 1, blocks.size(1));
+  PS_REQUIRE(out.ptr<uint8_t>() != blocks.ptr<uint8_t>(), op, "out must be another tensor than blocks (not in place)");
   gguf::interleave_rows(format.type, blocks.ptr<uint8_t>(), out.ptr<uint8_t>(), blocks.size(0), blocks.size(1));
 }
 

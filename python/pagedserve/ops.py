@@ -27,7 +27,8 @@ __all__ = [
     "copy_blocks", "paged_attention", "grouped_linear", "small_batch_linear", "qkv_rope_cache",
     "qkv_linear_rope_cache", "MAX_SMALL_BATCH_ROWS", "set_num_threads", "num_threads", "cpu_isa", "sample_tokens",
     "pack_linear_weight", "packed_linear", "packed_linear_bf16", "packed_linear_float64_sums", "cpu_kernels",
-    "Int8Weight", "quantize_int8_weight", "int8_linear", "pack_grouped_weight", "packed_grouped_linear", "gguf_linear", "gguf_dequantize_rows"
+    "Int8Weight", "quantize_int8_weight", "int8_linear", "pack_grouped_weight", "packed_grouped_linear", "gguf_linear", "gguf_dequantize_rows",
+    "gguf_interleave"
 ]
 
 

@@ -82,14 +82,15 @@ class GgufLoader:
                              f"{list(expected)}")
         return tensor
 
-    def segment(self, hf_name: str, rows: int, cols: int) -> Segment:
+    def segment(self, hf_name: str, rows: int, cols: int, interleave: bool = True) -> Segment:
+        """The tensor's rows; quantized ones on the CPU interleaved for the products (``interleave``)."""
         tensor = self.tensor(hf_name, rows, cols)
         weight = tensor.blocks() if tensor.quantized else tensor.dense()
         module = hf_name.rpartition(".")[0]
         if module.split(".", 3)[-1] in _ROPE_PERMUTED.get(self.gguf.architecture, ()):
             weight = weight[unpermute_rope_rows(rows, self.config.head_dim)]
         segment = Segment(weight.contiguous(), tensor.ggml_type if tensor.quantized else None)
-        return segment.interleaved() if self.on_cpu else segment
+        return segment.interleaved() if self.on_cpu and interleave else segment
 
     def dense(self, segment: Segment) -> torch.Tensor:
         if segment.ggml_type is None:
@@ -138,7 +139,8 @@ class GgufLoader:
 
     def load_embedding(self, path: str, embedding: Embedding) -> None:
         vocab, dim = embedding.weight.shape
-        segment = self.segment(f"{path}.weight", vocab, dim)
+        # A table only looked up keeps the file's layout; a tied one is the LM head's product too.
+        segment = self.segment(f"{path}.weight", vocab, dim, interleave=self.model.lm_head is None)
         self.embedding = segment
         if segment.ggml_type is not None and self.on_cpu:
             embedding.use_lookup(GgufRows(segment.weight, segment.ggml_type, dim, self.config.dtype))
