@@ -40,9 +40,11 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.gguf_layout import file_layout  # noqa: E402
 from common.plots import pyplot  # noqa: E402
 from common.report import arg_parser, markdown_table, save  # noqa: E402
 
@@ -127,11 +129,10 @@ def pagedserve_engine(spec):
 
     options = dict(spec["options"])
     model = options.pop("model", spec["model"])
-    if options.pop("gguf_file_layout", False):  # this child process only: loading keeps the file's layout
-        from pagedserve.models.gguf_linear import Segment
-        Segment.interleaved = lambda segment: segment
-    llm = LLM(model, device="cpu", max_num_seqs=max(spec["batches"]), max_model_len=spec["ttft_len"] + 16,
-              enable_prefix_caching=False, load_format=spec["load_format"], **options)
+    layout = file_layout() if options.pop("gguf_file_layout", False) else nullcontext()
+    with layout:  # the file-layout mode: loading keeps the GGUF file's layout
+        llm = LLM(model, device="cpu", max_num_seqs=max(spec["batches"]), max_model_len=spec["ttft_len"] + 16,
+                  enable_prefix_caching=False, load_format=spec["load_format"], **options)
     worker = llm.llm_engine.worker
     kernels = sorted({type(m.kernel).__name__ for m in worker.model.modules() if getattr(m, "kernel", None)})
     info = {"kv_dtype": str(worker.kv_plan.dtype).removeprefix("torch."), "linear_kernels": kernels or ["torch"],

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common.gguf_layout import file_layout  # noqa: E402
 from common.report import arg_parser, save  # noqa: E402
 
 from pagedserve import ops  # noqa: E402
@@ -105,15 +106,9 @@ def bench_decode(rounds: int, tokens: int) -> dict:
     from pagedserve import LLM, SamplingParams
     from pagedserve.models.default_model import default_gguf_path, default_model_dir
 
-    from pagedserve.models.gguf_linear import Segment
-
     engines = {"Q4_1 GGUF": LLM(model=str(default_gguf_path()), device="cpu", kv_cache_memory_gb=0.25)}
-    interleaved = Segment.interleaved
-    Segment.interleaved = lambda segment: segment  # this engine only: the blocks keep the file's layout
-    try:
+    with file_layout():  # this engine only: the blocks keep the file's layout
         engines[FILE_LAYOUT] = LLM(model=str(default_gguf_path()), device="cpu", kv_cache_memory_gb=0.25)
-    finally:
-        Segment.interleaved = interleaved
     engines["bf16"] = LLM(model=str(default_model_dir()), device="cpu", kv_cache_memory_gb=0.25)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     for llm in engines.values():  # warm up
