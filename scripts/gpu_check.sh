@@ -12,7 +12,7 @@
 # (py_ab on request: the built package against an older Python tree, $AB_OLD_PYTHON, default probe/ab_old, carried
 # with the call; it gets this build's extension. Interleaved rounds of $AB_CASES: tiny (TinyLlama shape at 1 and 64
 # concurrent, the model's max_model_len), tiny_short (at 1, max_model_len 190), smol (SmolLM2 shape at 64, its
-# max_model_len), long (the long workload). For changes to python/ only.)
+# max_model_len), long (the long workload), json (structured_bench.py at 64 requests). For changes to python/ only.)
 # (cpu_host on request: the CPU kernels and CPU serving bench on the host's CPU, pinned to 2 cores; with the
 # model wheel also gguf_bench)
 # Several GPUs (nvidia-h200-x2, on request): tp_tests (NCCL TP = 2 vs 1, faults; tp_server: the same through the
@@ -146,11 +146,12 @@ for stage in "${STAGES[@]}"; do
               smol) cmd=(bench/perf/throughput.py --device cuda --shape smollm2-135m --no-hf --concurrency 64
                          --max-model-len 0) ;;
               long) cmd=(bench/perf/long_workload.py --device cuda --shape qwen3-0.6b) ;;
+              json) cmd=(bench/perf/structured_bench.py --device cuda --num-requests 64) ;;  # needs the model wheel
               *) note "py_ab: unknown case $case"; continue ;;
             esac
-            [ "$case" = long ] || cmd+=(--name "$name")
+            case $case in long|json) ;; *) cmd+=(--name "$name") ;; esac
             run_stage "$name" env PYTHONPATH="$pp" python3 "${cmd[@]}" --out "$RUN/$name"
-            grep -hE '^\| (pagedserve|qwen3)' "$RUN/$name"/*.md | sed "s/^/$name /" | tee -a "$SUMMARY"
+            grep -hE '^\| (pagedserve|qwen3|unconstrained|json|tools)' "$RUN/$name"/*.md | sed "s/^/$name /" | tee -a "$SUMMARY"
           done
         done
       done ;;

@@ -151,7 +151,10 @@ def test_kv_cache_dtype_rule():
     assert kv_cache_dtype("auto", bf16, "cpu", "float32") == bf16
     assert kv_cache_dtype("auto", torch.float16, "cpu", "float32") == torch.float16
     assert kv_cache_dtype("bfloat16", f32, "cpu") == bf16
+    assert kv_cache_dtype("auto", f32, "cpu", "float32", quantized_weights=True) == bf16, "GGUF and int8 weights"
+    assert kv_cache_dtype("float32", f32, "cpu", "float32", quantized_weights=True) == f32, "asked for: kept"
     assert kv_cache_dtype("auto", f32, "cuda", "bfloat16") == f32, "CUDA: the model's dtype"
+    assert kv_cache_dtype("auto", f32, "cuda", "float32", quantized_weights=True) == f32
     assert kv_cache_dtype("bfloat16", bf16, "cuda") == bf16
     with pytest.raises(ValueError, match="on cuda the KV cache has the model's dtype; use kv_cache_dtype auto"):
         kv_cache_dtype("bfloat16", f32, "cuda")

@@ -70,8 +70,9 @@ class EngineConfig:
                                       "checkpoint at load); a .gguf model keeps its own blocks whatever this says",
                               choices=("none", "int8"))
     kv_cache_dtype: str = _knob("auto", "dtype of the KV cache (auto: the model's dtype on CUDA; on CPU bf16 "
-                                        "under cpu_precision bfloat16 or a bf16 model, the model's dtype in the "
-                                        "exact float32 mode; bfloat16 under a float32 model halves KV memory)",
+                                        "under cpu_precision bfloat16, a bf16 model or quantized weights (GGUF, "
+                                        "int8), the model's dtype in the exact float32 mode; bfloat16 under a "
+                                        "float32 model halves KV memory)",
                                 choices=("auto", "bfloat16", "float32"))
     tensor_parallel_size: int = _knob(1, "ranks the model is split across (column/row-parallel layers, one "
                                          "process per rank over torch.distributed: NCCL on CUDA, gloo on CPU)")

@@ -29,6 +29,7 @@ from pagedserve.models.fused_layers import fuse_decoder_layers
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.models.parallel_layers import HeadLayout
 from pagedserve.sample.sampler import PendingSamples, Sampler
+from pagedserve.models.gguf_model_dir import gguf_source
 from pagedserve.worker.heap_trim import HeapTrimmer
 from pagedserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype
 from pagedserve.worker.memory_budget import KVPlan, kv_cache_budget_bytes, plan_kv_cache
@@ -64,7 +65,10 @@ class Worker:
         self.sampler = Sampler(device, mc.vocab_size, eos_token_ids, seed=config.seed)
         self._workspace = ops.paged_attention_workspace(config.max_num_seqs, mc.num_heads, mc.head_dim,
                                                         config.max_model_len, device)
-        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, mc.dtype, device.type, config.cpu_precision)
+        gguf = mc.model_dir is not None and gguf_source(mc.model_dir) is not None
+        quantized = config.quantization != "none" or gguf
+        self.kv_dtype = kv_dtype = kv_cache_dtype(config.kv_cache_dtype, mc.dtype, device.type, config.cpu_precision,
+                                                  quantized)
         per_block = bytes_per_block(mc.num_layers, self.num_kv_heads, config.block_size, mc.head_dim, kv_dtype)
         per_block = parallel.max_int(per_block, device)  # ranks may hold unequal KV heads: plan the same blocks
         self.kv_plan: KVPlan = plan_kv_cache(
@@ -138,9 +142,8 @@ class Worker:
         tokens = config.max_num_batched_tokens
         step = worst_case_step(tokens, config.max_model_len, config.block_size,
                                num_logit_rows=config.max_num_seqs, vocab_size=mc.vocab_size)
-        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, mc.dtype, self.device.type, config.cpu_precision)
         scratch = allocate_kv_cache(mc.num_layers, step.block_tables.size, self.num_kv_heads, config.block_size,
-                                    mc.head_dim, kv_dtype, self.device)
+                                    mc.head_dim, self.kv_dtype, self.device)
         inputs = StepInputs(tokens, step.num_seqs, step.max_blocks_per_seq, self.device, self._workspace)
         runner = ModelRunner(self.model, scratch, self.sampler, inputs)
         pending = runner.execute_async(step, worst_case_rows(len(step.logits_indices)))
