@@ -4,9 +4,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
+#include <random>
 
+#include "ops/attention_tile.h"
+#include "ops/cpu_isa.h"
 #include "ops/kv_cache_layout.h"
 #include "ops/ops.h"
 #include "ops_test_util.h"
@@ -245,6 +249,34 @@ TEST(PagedAttention, ThreadCountDoesNotChangeResults) {
   batch.run(0.125f);
   set_num_threads(before);
   EXPECT_EQ(batch.out.data, single);
+}
+
+// The tile kernel scores a tile's first keys eight at a time (dot8) and the rest one by one (dot); which
+// keys go which way depends on where the tile starts, so on how the queries were chunked. Batch invariance
+// needs both to give the same bits, at every instruction set (each compiles them with its own registers).
+TEST(PagedAttention, TileScoresAreTheSameEightAtATimeAndOneByOne) {
+  std::mt19937 rng(6);
+  std::normal_distribution<float> normal;
+  const CpuIsa before = cpu_isa();
+  for (const CpuIsa isa : supported_cpu_isas()) {
+    set_cpu_isa(isa);
+    for (const int n : {8, 64, 80, 128, 256}) {
+      for (int trial = 0; trial < 50; ++trial) {
+        std::vector<float> query(static_cast<size_t>(n)), keys(static_cast<size_t>(8 * n));
+        for (float& v : query) v = normal(rng);
+        for (float& v : keys) v = normal(rng);
+        const float* key_rows[8];
+        for (int k = 0; k < 8; ++k) key_rows[k] = keys.data() + k * n;
+        float eight[8], one[8];
+        with_cpu_isa([&]() PS_INLINE_BODY {
+          attention_detail::dot8(query.data(), key_rows, n, eight);
+          for (int k = 0; k < 8; ++k) one[k] = attention_detail::dot(query.data(), key_rows[k], n);
+        });
+        ASSERT_EQ(std::memcmp(eight, one, sizeof eight), 0) << cpu_isa_name(isa) << ", head dim " << n;
+      }
+    }
+  }
+  set_cpu_isa(before);
 }
 
 TEST(PagedAttention, LargeScoresStayFinite) {

@@ -98,11 +98,14 @@ struct AttentionScratch {
 
 namespace attention_detail {
 
-// Sixteen floats as one value: GCC lowers it to whatever registers the ISA
-// has (one zmm, two ymm or four xmm), so the accumulators below stay in
-// registers across a whole tile. Only ever a local, never a parameter.
+// Sixteen floats as one value: one zmm under AVX-512, where the accumulators
+// below stay in registers across a whole tile. Only ever a local, never a
+// parameter. Narrower ISAs fold with two Float8Lanes instead (kVectorFloats
+// 8): GCC keeps a 64-byte vector it has to split on the stack, and Zen 3's
+// prefill attention spent half its time storing and reloading them.
 using Float16Lanes = float __attribute__((vector_size(64)));
 inline constexpr int kLaneCount = 16;
+using Float8Lanes = float __attribute__((vector_size(32)));  // one ymm (two xmm below AVX2)
 
 // Points key_rows/value_rows at positions [first, first + count) of the
 // sequence with block table `table`: straight into a float32 cache, or into
@@ -129,23 +132,75 @@ PS_ALWAYS_INLINE void load_kv_tile(const AttentionBatch<T, C>& b, const int32_t*
   }
 }
 
+// a . b with kDotLanes partial sums (d mod kDotLanes), each a chain of `acc += a * b` in d order,
+// summed lane by lane from 0, then the tail. dot8 runs the same expression for eight keys at once:
+// the compiler contracts (or not) both alike, so a score has the same bits whichever computed it,
+// which batch invariance needs (a tile's keys split between the two by its length).
+static_assert(kDotLanes == 8, "dot and dot8 keep the kDotLanes partial sums in one Float8Lanes");
 PS_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kDotLanes] = {};
+  Float8Lanes acc = {};
   int64_t i = 0;
   for (; i + kDotLanes <= n; i += kDotLanes) {
-    for (int l = 0; l < kDotLanes; ++l) lanes[l] += a[i + l] * b[i + l];
+    Float8Lanes av, bv;
+    std::memcpy(&av, a + i, sizeof av);
+    std::memcpy(&bv, b + i, sizeof bv);
+    acc += av * bv;
   }
   float tail = 0.0f;
   for (; i < n; ++i) tail += a[i] * b[i];
-  return sum_lanes(lanes) + tail;
+  float total = 0.0f;
+  for (int l = 0; l < kDotLanes; ++l) total += acc[l];
+  return total + tail;
 }
 
-// probs[r][j] = q_r . key_j for the tile's first `count` positions.
-PS_ALWAYS_INLINE void score_tile(AttentionScratch& s, int64_t rows, int64_t d_size, int count) {
-  for (int j = 0; j < count; ++j) {
-    for (int64_t r = 0; r < rows; ++r) {
-      s.probs[static_cast<size_t>(r * kKeyTile + j)] = dot(s.queries.data() + r * d_size, s.key_rows[j], d_size);
+
+// out[k] = dot(q, keys[k], n) for k < 8, bit for bit, with n a multiple of kDotLanes: each score's
+// partial sums are dot's chain of `acc += q * k`, summed lane by lane from 0, plus dot's (empty)
+// tail. But eight scores run side by side: their chains no longer wait on one another, one query
+// load serves eight keys, and the lane sums become a transpose and eight vector adds instead of a
+// serial chain of scalar adds per score (dot alone: ~50 cycles a score on a Zen 3 core).
+PS_ALWAYS_INLINE void dot8(const float* q, const float* const* keys, int64_t n, float* out) {
+  Float8Lanes acc[8] = {};
+  for (int64_t i = 0; i < n; i += kDotLanes) {
+    Float8Lanes qv;
+    std::memcpy(&qv, q + i, sizeof qv);
+    for (int k = 0; k < 8; ++k) {
+      Float8Lanes kv;
+      std::memcpy(&kv, keys[k] + i, sizeof kv);
+      acc[k] += qv * kv;
     }
+  }
+  // Transpose: lane[l] holds partial sum l of all eight scores.
+  Float8Lanes pair_low[4], pair_high[4], quad[8], lane[8];
+  for (int p = 0; p < 4; ++p) {
+    pair_low[p] = __builtin_shufflevector(acc[2 * p], acc[2 * p + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    pair_high[p] = __builtin_shufflevector(acc[2 * p], acc[2 * p + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int h = 0; h < 2; ++h) {  // keys 4h .. 4h + 3: partial sums l and l + 4 (l < 4)
+    quad[4 * h + 0] = __builtin_shufflevector(pair_low[2 * h], pair_low[2 * h + 1], 0, 1, 8, 9, 4, 5, 12, 13);
+    quad[4 * h + 1] = __builtin_shufflevector(pair_low[2 * h], pair_low[2 * h + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    quad[4 * h + 2] = __builtin_shufflevector(pair_high[2 * h], pair_high[2 * h + 1], 0, 1, 8, 9, 4, 5, 12, 13);
+    quad[4 * h + 3] = __builtin_shufflevector(pair_high[2 * h], pair_high[2 * h + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  for (int l = 0; l < 4; ++l) {
+    lane[l] = __builtin_shufflevector(quad[l], quad[4 + l], 0, 1, 2, 3, 8, 9, 10, 11);
+    lane[l + 4] = __builtin_shufflevector(quad[l], quad[4 + l], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  Float8Lanes total = {};  // sum_lanes: 0 + lane 0 + lane 1 + ... in this order
+  for (int l = 0; l < kDotLanes; ++l) total += lane[l];
+  total += Float8Lanes{};  // + dot's tail, 0 when n is a multiple of kDotLanes
+  std::memcpy(out, &total, sizeof total);
+}
+
+// probs[r][j] = q_r . key_j (dot) for the tile's first `count` positions: eight keys at a time
+// through dot8 where the head dim allows, the rest one by one.
+PS_ALWAYS_INLINE void score_tile(AttentionScratch& s, int64_t rows, int64_t d_size, int count) {
+  const int blocked = d_size % kDotLanes == 0 ? count - count % 8 : 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* q = s.queries.data() + r * d_size;
+    float* scores = s.probs.data() + r * kKeyTile;
+    for (int j = 0; j < blocked; j += 8) dot8(q, s.key_rows + j, d_size, scores + j);
+    for (int j = blocked; j < count; ++j) scores[j] = dot(q, s.key_rows[j], d_size);
   }
 }
 
@@ -181,21 +236,49 @@ PS_ALWAYS_INLINE float softmax_tile_row(float* scores, int begin, int end, float
 }
 
 // acc_k = acc_k * rescale_k + sum_j probs_k[j] * value_j for rows k = 0, 1,
-// over columns [d0, d0 + 16): accumulators in registers for the whole tile.
+// over columns [d0, d0 + 16): accumulators in registers for the whole tile,
+// one Float16Lanes a row (kVectorFloats 16) or two Float8Lanes (8), the same
+// steps lane by lane either way.
+template <int kVectorFloats>
 PS_ALWAYS_INLINE void fold_column_pair(float* acc0, float* acc1, float rescale0, float rescale1, const float* probs0,
                                        const float* probs1, const float* const* value_rows, int count, int64_t d0) {
-  Float16Lanes sum0, sum1, value;
-  std::memcpy(&sum0, acc0 + d0, sizeof sum0);
-  std::memcpy(&sum1, acc1 + d0, sizeof sum1);
-  sum0 *= rescale0;
-  sum1 *= rescale1;
-  for (int j = 0; j < count; ++j) {
-    std::memcpy(&value, value_rows[j] + d0, sizeof value);
-    sum0 += probs0[j] * value;
-    sum1 += probs1[j] * value;
+  if constexpr (kVectorFloats == 16) {
+    Float16Lanes sum0, sum1, value;
+    std::memcpy(&sum0, acc0 + d0, sizeof sum0);
+    std::memcpy(&sum1, acc1 + d0, sizeof sum1);
+    sum0 *= rescale0;
+    sum1 *= rescale1;
+    for (int j = 0; j < count; ++j) {
+      std::memcpy(&value, value_rows[j] + d0, sizeof value);
+      sum0 += probs0[j] * value;
+      sum1 += probs1[j] * value;
+    }
+    std::memcpy(acc0 + d0, &sum0, sizeof sum0);
+    std::memcpy(acc1 + d0, &sum1, sizeof sum1);
+  } else {
+    static_assert(kVectorFloats == 8);
+    Float8Lanes sum0_low, sum0_high, sum1_low, sum1_high, value_low, value_high;
+    std::memcpy(&sum0_low, acc0 + d0, sizeof sum0_low);
+    std::memcpy(&sum0_high, acc0 + d0 + 8, sizeof sum0_high);
+    std::memcpy(&sum1_low, acc1 + d0, sizeof sum1_low);
+    std::memcpy(&sum1_high, acc1 + d0 + 8, sizeof sum1_high);
+    sum0_low *= rescale0;
+    sum0_high *= rescale0;
+    sum1_low *= rescale1;
+    sum1_high *= rescale1;
+    for (int j = 0; j < count; ++j) {
+      std::memcpy(&value_low, value_rows[j] + d0, sizeof value_low);
+      std::memcpy(&value_high, value_rows[j] + d0 + 8, sizeof value_high);
+      sum0_low += probs0[j] * value_low;
+      sum0_high += probs0[j] * value_high;
+      sum1_low += probs1[j] * value_low;
+      sum1_high += probs1[j] * value_high;
+    }
+    std::memcpy(acc0 + d0, &sum0_low, sizeof sum0_low);
+    std::memcpy(acc0 + d0 + 8, &sum0_high, sizeof sum0_high);
+    std::memcpy(acc1 + d0, &sum1_low, sizeof sum1_low);
+    std::memcpy(acc1 + d0 + 8, &sum1_high, sizeof sum1_high);
   }
-  std::memcpy(acc0 + d0, &sum0, sizeof sum0);
-  std::memcpy(acc1 + d0, &sum1, sizeof sum1);
 }
 
 // The same for one column of two rows (head dims that are not a multiple of 16).
@@ -214,6 +297,7 @@ PS_ALWAYS_INLINE void fold_column_pair_scalar(float* acc0, float* acc1, float re
 
 // Folds the tile's values into every row. An odd last row is paired with
 // itself: both halves compute and store the same result.
+template <int kVectorFloats>
 PS_ALWAYS_INLINE void fold_values(AttentionScratch& s, int64_t rows, int64_t d_size, int count) {
   for (int64_t r0 = 0; r0 < rows; r0 += 2) {
     const int64_t r1 = std::min(r0 + 1, rows - 1);
@@ -225,7 +309,7 @@ PS_ALWAYS_INLINE void fold_values(AttentionScratch& s, int64_t rows, int64_t d_s
     const float* probs1 = s.probs.data() + r1 * kKeyTile;
     int64_t d = 0;
     for (; d + kLaneCount <= d_size; d += kLaneCount) {
-      fold_column_pair(acc0, acc1, rescale0, rescale1, probs0, probs1, s.value_rows, count, d);
+      fold_column_pair<kVectorFloats>(acc0, acc1, rescale0, rescale1, probs0, probs1, s.value_rows, count, d);
     }
     for (; d < d_size; ++d) {
       fold_column_pair_scalar(acc0, acc1, rescale0, rescale1, probs0, probs1, s.value_rows, count, d);
@@ -235,7 +319,9 @@ PS_ALWAYS_INLINE void fold_values(AttentionScratch& s, int64_t rows, int64_t d_s
 
 }  // namespace attention_detail
 
-template <typename T, typename C>
+// kVectorFloats: the floats one vector register holds where this is compiled
+// (16 under AVX-512, else 8; see Float16Lanes).
+template <int kVectorFloats, typename T, typename C>
 PS_ALWAYS_INLINE void attend_work_item(const AttentionBatch<T, C>& b, const AttentionWorkItem& item,
                                        AttentionScratch& s) {
   const int64_t d_size = b.head_dim;
@@ -284,7 +370,7 @@ PS_ALWAYS_INLINE void attend_work_item(const AttentionBatch<T, C>& b, const Atte
       // uses float32 probabilities, the value product probabilities rounded to T.
       for (int64_t k = 0; k < rows * kKeyTile; ++k) s.probs[static_cast<size_t>(k)] = round_to<T>(s.probs[static_cast<size_t>(k)]);
     }
-    attention_detail::fold_values(s, rows, d_size, count);
+    attention_detail::fold_values<kVectorFloats>(s, rows, d_size, count);
   }
 
   for (int64_t r = 0; r < rows; ++r) {
