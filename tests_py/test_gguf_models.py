@@ -218,13 +218,19 @@ def test_tiny_gguf_through_the_engine(tmp_path, monkeypatch):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", source, dict(ffn_down=T.Q4_0), T.Q8_0, None)
     oracle = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     expected = hf_greedy(oracle, PROMPTS["a"], 10)
-    # Quantized weights take a bf16 KV cache by default (worker/kv_cache.py); a float32 one when asked.
-    for kv_cache_dtype, kv_dtype in (("auto", torch.bfloat16), ("float32", torch.float32)):
-        llm = LLM(model=str(path), num_kv_blocks=64, device="cpu",  # a GPU host's attention has no head dim 16
+    # Quantized weights take a bf16 KV cache by default (worker/kv_cache.py); a float32 one when asked; a
+    # GGUF file whose tensors are all F32 (dense, nothing quantized) keeps the exact mode's float32 cache.
+    dense = write_tiny_gguf(tmp_path / "dense.gguf", source, {name: T.F32 for name in _GGUF_NAMES.values()},
+                            T.F32, None)
+    for gguf, kv_cache_dtype, kv_dtype in ((path, "auto", torch.bfloat16), (path, "float32", torch.float32),
+                                           (dense, "auto", torch.float32)):
+        llm = LLM(model=str(gguf), num_kv_blocks=64, device="cpu",  # a GPU host's attention has no head dim 16
                   kv_cache_dtype=kv_cache_dtype)
-        assert llm.llm_engine.worker.kv_plan.dtype == kv_dtype
-        out = llm.generate([PROMPTS["a"]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-        assert list(out[0].outputs[0].token_ids) == expected, kv_cache_dtype
+        assert llm.llm_engine.worker.kv_plan.dtype == kv_dtype, (gguf.name, kv_cache_dtype)
+        if gguf == path:
+            out = llm.generate([PROMPTS["a"]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+            assert list(out[0].outputs[0].token_ids) == expected, kv_cache_dtype
+        llm.shutdown()
 
 
 # ---------------------------------------------------------------------------

@@ -4,12 +4,14 @@ Modes (each detected, skipped with a note where this build lacks it):
   pagedserve float32      exact float32 arithmetic, float32 KV cache (cpu_precision float32)
   pagedserve bf16-kv      float32 arithmetic, bf16 KV cache (kv_cache_dtype bfloat16)
   pagedserve bfloat16     bf16 activations into the matmuls (cpu_precision bfloat16; KV bf16 by its rule)
-  pagedserve int8         int8 weights (quantization int8)
+  pagedserve int8         int8 weights (quantization int8); KV bf16 by the rule for quantized weights
+                          (worker/kv_cache.py)
   pagedserve gguf         a GGUF checkpoint, e.g. Q4_1 (--gguf FILE), Q4_0 / Q4_1 / Q8_0 blocks interleaved at load;
-                          a bf16 KV cache (the rule for quantized weights, worker/kv_cache.py)
-  pagedserve gguf-float32-kv    the same with a float32 KV cache (kv_cache_dtype float32: the default before)
-  pagedserve gguf-file-layout   the same with the blocks left in the file's layout (the kernels before
+                          KV bf16 by the same rule
+  pagedserve gguf-file-layout   pagedserve gguf with the blocks left in the file's layout (the kernels before
                           cpp/ops/gguf_interleaved.h), for before/after figures
+  pagedserve gguf-float32-kv    pagedserve gguf with a float32 KV cache (kv_cache_dtype float32; the
+                          default before 579e887)
   transformers bf16       AutoModelForCausalLM.generate, static batches, torch threads = --threads
 
 Per mode and round, one subprocess (so each engine's own peak RSS is measured) loads the model and
@@ -70,8 +72,8 @@ def modes(gguf: str | None) -> dict[str, dict]:
         found["pagedserve int8"] = {"quantization": "int8"}
     if gguf:
         found["pagedserve gguf"] = {"model": gguf}
-        found["pagedserve gguf-float32-kv"] = {"model": gguf, "kv_cache_dtype": "float32"}
         found["pagedserve gguf-file-layout"] = {"model": gguf, "gguf_file_layout": True}
+        found["pagedserve gguf-float32-kv"] = {"model": gguf, "kv_cache_dtype": "float32"}
     found[HF] = None
     return found
 

@@ -53,6 +53,8 @@ class GgufLinear(LinearKernel):
     """y = x W^T (+ b) with W's rows as GGUF blocks (ops.gguf_linear: float32 arithmetic, or int8 activations
     on AVX2 CPUs and above)."""
 
+    quantized = True
+
     def __init__(self, segments: Sequence[Segment]):
         self.segments = merge_segments(segments)
         self.out_features = sum(segment.rows for segment in self.segments)

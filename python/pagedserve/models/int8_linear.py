@@ -19,6 +19,8 @@ from pagedserve.models.linear_kernels import LinearKernel
 
 
 class Int8Linear(LinearKernel):
+    quantized = True
+
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
         self.weight = ops.quantize_int8_weight(weight)

@@ -18,6 +18,7 @@ from pagedserve import ops
 
 class LinearKernel(Protocol):
     out_features: int
+    quantized: bool = False  # the weight kept quantized in memory (int8 channels, GGUF blocks)
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x [M, K] -> [M, out_features] in x's dtype."""
@@ -85,3 +86,8 @@ class PackedBf16Rows:
 
 
 __all__ = ["LinearKernel", "PackedBf16", "PackedBf16Activations", "PackedBf16Rows"]
+
+
+def has_quantized_weights(model: torch.nn.Module) -> bool:
+    """Whether any of the model's linears keeps its weight quantized (worker/kv_cache.py's rule)."""
+    return any(getattr(getattr(m, "kernel", None), "quantized", False) for m in model.modules())

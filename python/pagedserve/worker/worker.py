@@ -26,10 +26,10 @@ from pagedserve.models import build_model
 from pagedserve.models.batch_invariant import make_batch_invariant
 from pagedserve.models.cpu_weight_packing import StreamedPacking
 from pagedserve.models.fused_layers import fuse_decoder_layers
+from pagedserve.models.linear_kernels import has_quantized_weights
 from pagedserve.models.model_config import ModelConfig
 from pagedserve.models.parallel_layers import HeadLayout
 from pagedserve.sample.sampler import PendingSamples, Sampler
-from pagedserve.models.gguf_model_dir import gguf_source
 from pagedserve.worker.heap_trim import HeapTrimmer
 from pagedserve.worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_dtype
 from pagedserve.worker.memory_budget import KVPlan, kv_cache_budget_bytes, plan_kv_cache
@@ -65,15 +65,13 @@ class Worker:
         self.sampler = Sampler(device, mc.vocab_size, eos_token_ids, seed=config.seed)
         self._workspace = ops.paged_attention_workspace(config.max_num_seqs, mc.num_heads, mc.head_dim,
                                                         config.max_model_len, device)
-        gguf = mc.model_dir is not None and gguf_source(mc.model_dir) is not None
-        quantized = config.quantization != "none" or gguf
-        self.kv_dtype = kv_dtype = kv_cache_dtype(config.kv_cache_dtype, mc.dtype, device.type, config.cpu_precision,
-                                                  quantized)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, mc.dtype, device.type, config.cpu_precision,
+                                  has_quantized_weights(self.model))
         per_block = bytes_per_block(mc.num_layers, self.num_kv_heads, config.block_size, mc.head_dim, kv_dtype)
         per_block = parallel.max_int(per_block, device)  # ranks may hold unequal KV heads: plan the same blocks
         self.kv_plan: KVPlan = plan_kv_cache(
             config, mc.max_position_embeddings, per_block,
-            lambda: parallel.min_int(kv_cache_budget_bytes(lambda: self._run_worst_case_step(config),
+            lambda: parallel.min_int(kv_cache_budget_bytes(lambda: self._run_worst_case_step(config, kv_dtype),
                                                            config.gpu_memory_utilization, device, baseline_bytes),
                                      device), mc.kv_window, dtype=kv_dtype)
         plan = self.kv_plan
@@ -135,7 +133,7 @@ class Worker:
         return StepInputs(config.max_num_batched_tokens, config.max_num_seqs,
                           math.ceil(max_model_len / config.block_size), self.device, self._workspace)
 
-    def _run_worst_case_step(self, config: EngineConfig) -> None:
+    def _run_worst_case_step(self, config: EngineConfig, kv_dtype: torch.dtype) -> None:
         """Runs the step with the most activations (a full token budget of prefill, then logits and
         top-p/top-k sampling for the most rows) through a runner of its own over a scratch KV cache."""
         mc = self.model_config
@@ -143,7 +141,7 @@ class Worker:
         step = worst_case_step(tokens, config.max_model_len, config.block_size,
                                num_logit_rows=config.max_num_seqs, vocab_size=mc.vocab_size)
         scratch = allocate_kv_cache(mc.num_layers, step.block_tables.size, self.num_kv_heads, config.block_size,
-                                    mc.head_dim, self.kv_dtype, self.device)
+                                    mc.head_dim, kv_dtype, self.device)
         inputs = StepInputs(tokens, step.num_seqs, step.max_blocks_per_seq, self.device, self._workspace)
         runner = ModelRunner(self.model, scratch, self.sampler, inputs)
         pending = runner.execute_async(step, worst_case_rows(len(step.logits_indices)))
