@@ -153,12 +153,12 @@ PS_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
   return total + tail;
 }
 
-
 // out[k] = dot(q, keys[k], n) for k < 8, bit for bit, with n a multiple of kDotLanes: each score's
 // partial sums are dot's chain of `acc += q * k`, summed lane by lane from 0, plus dot's (empty)
 // tail. But eight scores run side by side: their chains no longer wait on one another, one query
 // load serves eight keys, and the lane sums become a transpose and eight vector adds instead of a
-// serial chain of scalar adds per score (dot alone: ~50 cycles a score on a Zen 3 core).
+// serial chain of scalar adds per score (with dot alone a 512-token prefill layer took 2.2-3.2x as
+// long on a Zen 3: bench/results/zen3_session27/, together with the fold below).
 PS_ALWAYS_INLINE void dot8(const float* q, const float* const* keys, int64_t n, float* out) {
   Float8Lanes acc[8] = {};
   for (int64_t i = 0; i < n; i += kDotLanes) {
