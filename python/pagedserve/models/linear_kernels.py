@@ -85,9 +85,9 @@ class PackedBf16Rows:
         return out.reshape(*ids.shape, self.row_size)
 
 
-__all__ = ["LinearKernel", "PackedBf16", "PackedBf16Activations", "PackedBf16Rows"]
-
-
 def has_quantized_weights(model: torch.nn.Module) -> bool:
     """Whether any of the model's linears keeps its weight quantized (worker/kv_cache.py's rule)."""
     return any(getattr(getattr(m, "kernel", None), "quantized", False) for m in model.modules())
+
+
+__all__ = ["LinearKernel", "PackedBf16", "PackedBf16Activations", "PackedBf16Rows", "has_quantized_weights"]

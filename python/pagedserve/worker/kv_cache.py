@@ -9,9 +9,9 @@ Dtype (EngineConfig.kv_cache_dtype, decided by kv_cache_dtype() and nowhere else
         an explicit kv_cache_dtype must name it.
   CPU   "auto": bf16 where the model's arithmetic is already bf16-grade or coarser,
         that is where the resolved cpu_precision is "bfloat16", the model computes
-        in bf16, or its weights are quantized (a GGUF file's blocks, or
-        quantization int8); the model's dtype otherwise, so the exact float32 mode stays exact
-        (its outputs match transformers' float32 to 1e-4). A bf16 cache under a
+        in bf16, or its linears keep their weights quantized (a GGUF file's blocks,
+        quantization int8); the model's dtype otherwise, so the exact float32 mode
+        stays exact (its outputs match transformers' float32 to 1e-4). A bf16 cache under a
         float32 model halves the bytes attention streams and the KV memory: keys
         and values are rounded to bf16 (nearest even) as they are written and
         widened back exactly as they are read; scores and sums stay float32.
