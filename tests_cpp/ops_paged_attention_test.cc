@@ -268,9 +268,9 @@ TEST(PagedAttention, TileScoresAreTheSameEightAtATimeAndOneByOne) {
         const float* key_rows[8];
         for (int k = 0; k < 8; ++k) key_rows[k] = keys.data() + k * n;
         float eight[8], one[8];
-        with_cpu_isa([&]() PS_INLINE_BODY {
-          attention_detail::dot8(query.data(), key_rows, n, eight);
-          for (int k = 0; k < 8; ++k) one[k] = attention_detail::dot(query.data(), key_rows[k], n);
+        with_tile_isa([&]<int kVectorFloats, bool kFma>() PS_INLINE_BODY {
+          attention_detail::dot8<kFma>(query.data(), key_rows, n, eight);
+          for (int k = 0; k < 8; ++k) one[k] = attention_detail::dot<kFma>(query.data(), key_rows[k], n);
         });
         ASSERT_EQ(std::memcmp(eight, one, sizeof eight), 0) << cpu_isa_name(isa) << ", head dim " << n;
       }

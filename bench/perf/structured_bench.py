@@ -17,6 +17,7 @@ table gives the refused share and both host costs.
 
     PYTHONPATH=python python bench/perf/structured_bench.py [--device cpu] [--runs 2]
     python bench/perf/structured_bench.py --quick     # 4 requests, 16 tokens: checks the script works
+    python bench/perf/structured_bench.py --model DIR --load-format dummy   # a model's config and tokenizer only
 
 Prints a table and writes bench/results/structured_<device>.json and .md (_quick with --quick).
 """
@@ -26,6 +27,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.report import arg_parser, markdown_table, save  # noqa: E402
@@ -47,6 +49,9 @@ TOOLS_AUTO = {"structural_tag": {"type": "structural_tag", "triggers": ["<tool_c
 def main() -> None:
     ap = arg_parser(__doc__, "4 requests of 16 tokens, one run")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default=None, help="a model directory (default: the default model)")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights (the host's costs, not the "
+                    "model's choices: its tokens are not the default model's)")
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2, help="timed runs of each case (interleaved); best is kept")
@@ -56,7 +61,7 @@ def main() -> None:
 
     from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 
-    llm = LLM(device=args.device, seed=0)
+    llm = LLM(args.model, device=args.device, seed=0, load_format=args.load_format)
     engine = llm.llm_engine
     steps = [0]
     step = engine.step
@@ -139,7 +144,7 @@ def main() -> None:
                                  "mask_ms_per_step", "check_ms_per_step", "refused_pct", "launch_ms_per_step",
                                  "wait_ms_per_step",
                                  "other_host_ms_per_step", "finish"])
-    fills = fill_scaling(engine, args.num_requests)
+    fills = fill_scaling(engine, args.num_requests, args.model)
     compile_table = markdown_table([{"compile": k, "ms": 1000 * v} for k, v in compile_s.items()],
                                    ["compile", "ms"])
     overlap = "while the device runs the forward" if args.device != "cpu" else "on the calling thread, no overlap"
@@ -161,7 +166,7 @@ def main() -> None:
     print(f"wrote {path}")
 
 
-def fill_scaling(engine, count: int) -> list[dict]:
+def fill_scaling(engine, count: int, model: Optional[str]) -> list[dict]:
     """ms for xgrammar to fill `count` masks in one batch call, by thread count, every matcher inside a
     string of the long schema: how far the host's cores speed up the per-step mask."""
     import os
@@ -177,7 +182,7 @@ def fill_scaling(engine, count: int) -> list[dict]:
 
     from pagedserve.models.default_model import default_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(model or str(default_model_dir()), local_files_only=True)
     matchers = [compiled.new_matcher() for _ in range(count)]
     for matcher in matchers:
         for token in tokenizer.encode('[\n  "apple",\n  "banana is yellow'):

@@ -132,11 +132,35 @@ PS_ALWAYS_INLINE void load_kv_tile(const AttentionBatch<T, C>& b, const int32_t*
   }
 }
 
-// a . b with kDotLanes partial sums (d mod kDotLanes), each a chain of `acc += a * b` in d order,
-// summed lane by lane from 0, then the tail. dot8 runs the same expression for eight keys at once:
-// the compiler contracts (or not) both alike, so a score has the same bits whichever computed it,
-// which batch invariance needs (a tile's keys split between the two by its length).
+// acc + a * b lane by lane: one rounding (an FMA) where kFma, else two (below AVX2 there is no FMA to
+// contract into). Spelled out for dot and dot8, not left to the compiler's contraction: a GCC 13 build
+// (the Intel host's) rounded dot's chain and dot8's differently at AVX2, and test_ops_attention_bf16_kv.py's
+// chunking test failed there. Always inlined, so the warning that a vector returned below AVX changes the
+// ABI (the builtin's, seen before inlining) concerns no call that is made.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+template <bool kFma>
+PS_ALWAYS_INLINE void multiply_add(Float8Lanes& acc, const Float8Lanes& a, const Float8Lanes& b) {
+#if PS_X86_MULTIVERSION
+  if constexpr (kFma) {  // instantiated only inside with_tile_isa's FMA bodies
+#if defined(__clang__)
+    acc = __builtin_elementwise_fma(a, b, acc);
+#else
+    acc = __builtin_ia32_vfmaddps256(a, b, acc);
+#endif
+    return;
+  }
+#endif
+  acc = acc + a * b;
+}
+#pragma GCC diagnostic pop
+
+// a . b with kDotLanes partial sums (d mod kDotLanes), each a chain of multiply_add in d order, summed
+// lane by lane from 0, then the tail. dot8 runs the same steps for eight keys at once, so a score has
+// the same bits whichever computed it, which batch invariance needs (a tile's keys split between the
+// two by its length).
 static_assert(kDotLanes == 8, "dot and dot8 keep the kDotLanes partial sums in one Float8Lanes");
+template <bool kFma>
 PS_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
   Float8Lanes acc = {};
   int64_t i = 0;
@@ -144,7 +168,7 @@ PS_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
     Float8Lanes av, bv;
     std::memcpy(&av, a + i, sizeof av);
     std::memcpy(&bv, b + i, sizeof bv);
-    acc += av * bv;
+    multiply_add<kFma>(acc, av, bv);
   }
   float tail = 0.0f;
   for (; i < n; ++i) tail += a[i] * b[i];
@@ -154,11 +178,12 @@ PS_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
 }
 
 // out[k] = dot(q, keys[k], n) for k < 8, bit for bit, with n a multiple of kDotLanes: each score's
-// partial sums are dot's chain of `acc += q * k`, summed lane by lane from 0, plus dot's (empty)
-// tail. But eight scores run side by side: their chains no longer wait on one another, one query
-// load serves eight keys, and the lane sums become a transpose and eight vector adds instead of a
+// partial sums are dot's chain of multiply_add, summed lane by lane from 0, plus dot's (empty) tail.
+// But eight scores run side by side: their chains no longer wait on one another, one query load serves
+// eight keys, and the lane sums become a transpose and eight vector adds instead of a
 // serial chain of scalar adds per score (with dot alone a 512-token prefill layer took 2.2-3.2x as
 // long on a Zen 3: bench/results/zen3_session27/, together with the fold below).
+template <bool kFma>
 PS_ALWAYS_INLINE void dot8(const float* q, const float* const* keys, int64_t n, float* out) {
   Float8Lanes acc[8] = {};
   for (int64_t i = 0; i < n; i += kDotLanes) {
@@ -167,7 +192,7 @@ PS_ALWAYS_INLINE void dot8(const float* q, const float* const* keys, int64_t n, 
     for (int k = 0; k < 8; ++k) {
       Float8Lanes kv;
       std::memcpy(&kv, keys[k] + i, sizeof kv);
-      acc[k] += qv * kv;
+      multiply_add<kFma>(acc[k], qv, kv);
     }
   }
   // Transpose: lane[l] holds partial sum l of all eight scores.
@@ -194,13 +219,14 @@ PS_ALWAYS_INLINE void dot8(const float* q, const float* const* keys, int64_t n, 
 
 // probs[r][j] = q_r . key_j (dot) for the tile's first `count` positions: eight keys at a time
 // through dot8 where the head dim allows, the rest one by one.
+template <bool kFma>
 PS_ALWAYS_INLINE void score_tile(AttentionScratch& s, int64_t rows, int64_t d_size, int count) {
   const int blocked = d_size % kDotLanes == 0 ? count - count % 8 : 0;
   for (int64_t r = 0; r < rows; ++r) {
     const float* q = s.queries.data() + r * d_size;
     float* scores = s.probs.data() + r * kKeyTile;
-    for (int j = 0; j < blocked; j += 8) dot8(q, s.key_rows + j, d_size, scores + j);
-    for (int j = blocked; j < count; ++j) scores[j] = dot(q, s.key_rows[j], d_size);
+    for (int j = 0; j < blocked; j += 8) dot8<kFma>(q, s.key_rows + j, d_size, scores + j);
+    for (int j = blocked; j < count; ++j) scores[j] = dot<kFma>(q, s.key_rows[j], d_size);
   }
 }
 
@@ -320,8 +346,9 @@ PS_ALWAYS_INLINE void fold_values(AttentionScratch& s, int64_t rows, int64_t d_s
 }  // namespace attention_detail
 
 // kVectorFloats: the floats one vector register holds where this is compiled
-// (16 under AVX-512, else 8; see Float16Lanes).
-template <int kVectorFloats, typename T, typename C>
+// (16 under AVX-512, else 8; see Float16Lanes); kFma: whether the scores'
+// multiply-adds are fused (AVX2 and up). with_tile_isa picks both.
+template <int kVectorFloats, bool kFma, typename T, typename C>
 PS_ALWAYS_INLINE void attend_work_item(const AttentionBatch<T, C>& b, const AttentionWorkItem& item,
                                        AttentionScratch& s) {
   const int64_t d_size = b.head_dim;
@@ -356,7 +383,7 @@ PS_ALWAYS_INLINE void attend_work_item(const AttentionBatch<T, C>& b, const Atte
     next = std::min<int64_t>(context_end, (first / kKeyTile + 1) * kKeyTile);
     const int count = static_cast<int>(next - first);
     attention_detail::load_kv_tile(b, table, item.kv_head, first, count, s);
-    attention_detail::score_tile(s, rows, d_size, count);
+    attention_detail::score_tile<kFma>(s, rows, d_size, count);
     if (b.options.softcap > 0.0f) attention_detail::softcap_tile(s, rows, b.options.softcap);
     for (int64_t r = 0; r < rows; ++r) {
       const auto i = static_cast<size_t>(r);
@@ -381,6 +408,29 @@ PS_ALWAYS_INLINE void attend_work_item(const AttentionBatch<T, C>& b, const Atte
     const float* acc = s.acc.data() + r * d_size;
     for (int64_t d = 0; d < d_size; ++d) out[d] = from_float<T>(acc[d] * inv_sum);
   }
+}
+
+// Runs fn.template operator()<kVectorFloats, kFma>() (attend_work_item's parameters) at the level
+// kernels run with (with_cpu_isa): 16-float folds under AVX-512, else 8; fused score multiply-adds from
+// AVX2 on, where every x86-64-v3 CPU has FMA.
+// Unlike with_cpu_isa, each variant is compiled for its own level only: the FMA ones would not compile
+// for the baseline.
+template <typename Fn>
+void with_tile_isa(Fn&& fn) {
+#if PS_X86_MULTIVERSION
+  const CpuIsa isa = cpu_isa();
+  if (isa >= CpuIsa::kAvx512) {
+    auto body = [&]() PS_INLINE_BODY { fn.template operator()<16, true>(); };
+    isa_detail::run_avx512(body);
+    return;
+  }
+  if (isa == CpuIsa::kAvx2) {
+    auto body = [&]() PS_INLINE_BODY { fn.template operator()<8, true>(); };
+    isa_detail::run_avx2(body);
+    return;
+  }
+#endif
+  fn.template operator()<8, false>();
 }
 
 }  // namespace pagedserve::ops

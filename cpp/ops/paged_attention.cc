@@ -128,11 +128,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     run.for_each(static_cast<int64_t>(plan.items.size()), [&](int64_t task, int worker) {
       const AttentionWorkItem& item = plan.items[static_cast<size_t>(task)];
       AttentionScratch& worker_scratch = scratch[static_cast<size_t>(worker)];
-      if (cpu_isa() >= CpuIsa::kAvx512) {  // zmm registers: attend_work_item's kVectorFloats
-        with_cpu_isa([&]() PS_INLINE_BODY { attend_work_item<16>(batch, item, worker_scratch); });
-      } else {
-        with_cpu_isa([&]() PS_INLINE_BODY { attend_work_item<8>(batch, item, worker_scratch); });
-      }
+      with_tile_isa([&]<int kVectorFloats, bool kFma>() PS_INLINE_BODY {
+        attend_work_item<kVectorFloats, kFma>(batch, item, worker_scratch);
+      });
     });
   });
 }
