@@ -217,7 +217,8 @@ def summarize(rounds: list[dict[str, dict]], names: list[str]) -> tuple[list[dic
 
 
 def accuracy(names_options: dict[str, dict], model: str) -> list[dict]:
-    """Greedy agreement with transformers float32 on the agreement prompts (16 tokens each)."""
+    """Greedy agreement with transformers float32 on the agreement prompts (16 tokens each), of each mode and of
+    transformers bf16 (the mark a mode's agreement is held to before it may be the default)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -226,12 +227,15 @@ def accuracy(names_options: dict[str, dict], model: str) -> list[dict]:
 
     prompt_ids = agreement_prompts(AutoTokenizer.from_pretrained(model))
     reference, _ = hf_greedy(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(), prompt_ids)
+    hf_bf16, _ = hf_greedy(AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval(), prompt_ids)
     out, outputs = [], {}
     for name, options in names_options.items():
         options = dict(options)
         llm = LLM(options.pop("model", model), device="cpu", **options)
+        # min_tokens, as hf_greedy's min_new_tokens: no stop token before N_TOKENS (ignore_eos would let greedy
+        # pick one where transformers may not, and count the rest of that prompt as disagreement)
         done = llm.generate([{"prompt_token_ids": p} for p in prompt_ids],
-                            SamplingParams(temperature=0.0, max_tokens=N_TOKENS, ignore_eos=True), use_tqdm=False)
+                            SamplingParams(temperature=0.0, max_tokens=N_TOKENS, min_tokens=N_TOKENS), use_tqdm=False)
         outputs[name] = [list(o.outputs[0].token_ids) for o in done]
         llm.shutdown()
         got = outputs[name]
@@ -239,6 +243,10 @@ def accuracy(names_options: dict[str, dict], model: str) -> list[dict]:
                     "tokens_matching_hf_fp32": sum(x == y for a, b in zip(got, reference) for x, y in zip(a, b)),
                     "prompts_identical_to_pagedserve_float32": sum(a == b for a, b in zip(got, outputs[BASE])),
                     "prompts": len(prompt_ids), "tokens_per_prompt": N_TOKENS})
+    out.append({"mode": HF, "prompts_identical_to_hf_fp32": sum(a == b for a, b in zip(hf_bf16, reference)),
+                "tokens_matching_hf_fp32": sum(x == y for a, b in zip(hf_bf16, reference) for x, y in zip(a, b)),
+                "prompts_identical_to_pagedserve_float32": sum(a == b for a, b in zip(hf_bf16, outputs[BASE]))
+                if BASE in outputs else None, "prompts": len(prompt_ids), "tokens_per_prompt": N_TOKENS})
     return out
 
 
