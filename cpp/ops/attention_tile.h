@@ -132,7 +132,7 @@ PS_ALWAYS_INLINE void load_kv_tile(const AttentionBatch<T, C>& b, const int32_t*
   }
 }
 
-// acc + a * b lane by lane: one rounding (an FMA) where kFma, else two (below AVX2 there is no FMA to
+// acc + a * b lane by lane: one rounding (an FMA) where kFma, else two (x86 below AVX2 has no FMA to
 // contract into). Spelled out for dot and dot8, not left to the compiler's contraction: a GCC 13 build
 // (the Intel host's) rounded dot's chain and dot8's differently at AVX2, and test_ops_attention_bf16_kv.py's
 // chunking test failed there. Always inlined, so the warning that a vector returned below AVX changes the
@@ -180,9 +180,10 @@ PS_ALWAYS_INLINE float dot(const float* a, const float* b, int64_t n) {
 // out[k] = dot(q, keys[k], n) for k < 8, bit for bit, with n a multiple of kDotLanes: each score's
 // partial sums are dot's chain of multiply_add, summed lane by lane from 0, plus dot's (empty) tail.
 // But eight scores run side by side: their chains no longer wait on one another, one query load serves
-// eight keys, and the lane sums become a transpose and eight vector adds instead of a
-// serial chain of scalar adds per score (with dot alone a 512-token prefill layer took 2.2-3.2x as
-// long on a Zen 3: bench/results/zen3_session27/, together with the fold below).
+// eight keys, and the lane sums become a transpose and eight vector adds instead of a serial chain of
+// scalar adds per score (with dot alone a 512-token prefill layer took 2.2-3.2x as long on a Zen 3:
+// bench/results/zen3_session27/, together with the fold below; 1.65x on the Intel host's AVX-512, bf16
+// queries: bench/results/intel_amx/session28.md).
 template <bool kFma>
 PS_ALWAYS_INLINE void dot8(const float* q, const float* const* keys, int64_t n, float* out) {
   Float8Lanes acc[8] = {};
@@ -412,9 +413,8 @@ PS_ALWAYS_INLINE void attend_work_item(const AttentionBatch<T, C>& b, const Atte
 
 // Runs fn.template operator()<kVectorFloats, kFma>() (attend_work_item's parameters) at the level
 // kernels run with (with_cpu_isa): 16-float folds under AVX-512, else 8; fused score multiply-adds from
-// AVX2 on, where every x86-64-v3 CPU has FMA.
-// Unlike with_cpu_isa, each variant is compiled for its own level only: the FMA ones would not compile
-// for the baseline.
+// AVX2 on, where every x86-64-v3 CPU has FMA. Unlike with_cpu_isa, each variant is compiled for its own
+// level only: the FMA ones would not compile for the baseline.
 template <typename Fn>
 void with_tile_isa(Fn&& fn) {
 #if PS_X86_MULTIVERSION
