@@ -129,10 +129,19 @@ def _pagedserve_version() -> str:
 
 
 def _cpu_model() -> str:
+    """The first CPU's model name, with its x86 family and model numbers: VMs often show only "AMD EPYC" or
+    "Intel(R) Xeon(R) Processor", and the numbers tell a Zen 4 (family 25) from a Zen 5 (26)."""
     try:
+        fields: dict[str, str] = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break  # the first CPU's block ends
+            fields.setdefault(key.strip(), value.strip())
+        if "model name" in fields:
+            numbers = f" (family {fields['cpu family']}, model {fields['model']})" \
+                if "cpu family" in fields and "model" in fields else ""
+            return fields["model name"] + numbers
     except OSError:
         pass
     return platform.processor()
