@@ -168,7 +168,8 @@ def test_worst_case_step_is_a_valid_prefill_step():
 
 
 def test_worst_case_step_runs_through_the_runner_on_cpu(engine):
-    engine.worker._run_worst_case_step(engine.config, engine.worker.kv_plan.dtype)  # the GPU profile's step, through StepInputs
+    # the GPU profile's step, through StepInputs
+    engine.worker._run_worst_case_step(engine.config, engine.worker.kv_plan.dtype)
 
 
 def test_prefill_warmup_covers_every_small_count_then_powers_of_two_within_every_limit():

@@ -245,8 +245,8 @@ def accuracy(names_options: dict[str, dict], model: str) -> list[dict]:
                     "prompts": len(prompt_ids), "tokens_per_prompt": N_TOKENS})
     out.append({"mode": HF, "prompts_identical_to_hf_fp32": sum(a == b for a, b in zip(hf_bf16, reference)),
                 "tokens_matching_hf_fp32": sum(x == y for a, b in zip(hf_bf16, reference) for x, y in zip(a, b)),
-                "prompts_identical_to_pagedserve_float32": sum(a == b for a, b in zip(hf_bf16, outputs[BASE]))
-                if BASE in outputs else None, "prompts": len(prompt_ids), "tokens_per_prompt": N_TOKENS})
+                "prompts_identical_to_pagedserve_float32": sum(a == b for a, b in zip(hf_bf16, outputs[BASE])),
+                "prompts": len(prompt_ids), "tokens_per_prompt": N_TOKENS})
     return out
 
 

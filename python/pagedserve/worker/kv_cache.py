@@ -20,11 +20,11 @@ Dtype (EngineConfig.kv_cache_dtype, decided by kv_cache_dtype() and nowhere else
         other diverges at token 62), sampled-token logprobs differ by 2.8e-3 on
         average (5.3e-2 at most); the first token matches transformers float32 on
         32/32 prompts either way (bench/perf/cpu_serving_bench.py --accuracy).
-        With the default model's Q4_1 file, 32 prompts of 16 greedy tokens: 294 of
-        512 tokens match transformers float32 with a float32 cache and 294 with a
-        bf16 one; 25 and 26 prompts equal the exact float32 mode's (the 4-bit
-        weights, not the cache, set the error), while the bf16 cache halves the
-        KV memory (bench/results/cpu_serving_gguf_kv_accuracy_zen3_avx2.md).
+        With the default model's Q4_1 file, 32 prompts of 16 greedy tokens: 451 of
+        512 tokens match transformers float32 with a float32 cache and 431 with a
+        bf16 one (24 and 23 prompts identical; the exact mode: 512), so the 4-bit
+        weights set most of the error, while the bf16 cache halves the KV memory
+        (bench/results/cpu_serving_amd_zen5_accuracy.md).
 """
 
 from __future__ import annotations
