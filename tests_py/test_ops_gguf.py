@@ -298,7 +298,13 @@ def test_int8_path_edge_activations(qtype):
 # ---------------------------------------------------------------------------
 # Interleaved blocks (cpp/ops/gguf_interleaved.h): eight rows side by side, made once at load.
 
-INTERLEAVED_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0]
+INTERLEAVED_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K]
+
+
+def shapes(qtype: T, shapes_32: tuple) -> tuple:
+    """(n, k) test shapes, k scaled to whole 256-weight super-blocks for a K-quant."""
+    scale = 8 if qtype in K_QUANTS else 1
+    return tuple((n, k * scale) for n, k in shapes_32)
 
 
 def interleave(blocks: np.ndarray, qtype: T) -> tuple[torch.Tensor, int]:
@@ -315,8 +321,8 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 
 def interleaved_arithmetic(x: np.ndarray, blocks: np.ndarray, qtype: T, bias: np.ndarray | None = None) -> np.ndarray:
     """gguf_int8_interleaved.inc's float32 steps in numpy, per output and 32-weight block, blocks in order:
-    Q4_1 acc = fma(fma(dot, d_w, m_w sum x_q), d_x, acc); Q4_0, Q8_0 acc = fma(dot, d_w d_x, acc); dot the
-    exact integer sum of codes x_q (Q4_0's codes less 8)."""
+    Q4_1 and Q4_K acc = fma(fma(dot, d_w, m_w sum x_q), d_x, acc) (Q4_K: a sub-block's d sc and -dmin m);
+    Q4_0, Q8_0 acc = fma(dot, d_w d_x, acc); dot the exact integer sum of codes x_q (Q4_0's codes less 8)."""
     xq, dx = int8_activations(x)
     codes, dw, mw = block_codes(blocks, qtype)
     dots = np.einsum("mbk,nbk->mnb", xq, codes).astype(np.float32)  # |dot| < 2^24: exact
@@ -325,7 +331,7 @@ def interleaved_arithmetic(x: np.ndarray, blocks: np.ndarray, qtype: T, bias: np
     acc = np.zeros((x.shape[0], blocks.shape[0]), dtype=np.float32)
     for b in range(dots.shape[2]):
         dx_b = dx[:, b][:, None]
-        if qtype == T.Q4_1:
+        if qtype in (T.Q4_1, T.Q4_K):
             block = fma32(dots[:, :, b], d[None, :, b], mw[None, :, b].astype(np.float32) * sums[:, b][:, None])
             acc = fma32(block, dx_b, acc)
         else:
@@ -345,7 +351,7 @@ def test_interleave_keeps_every_byte_and_rows_look_up_as_before(qtype):
     if ops.cpu_isa() == "baseline":
         pytest.skip("no interleaved kernels below the AVX2 level")
     rng = np.random.default_rng(31)
-    for n, k in ((8, 32), (24, 576), (64, 96)):
+    for n, k in shapes(qtype, ((8, 32), (24, 576), (64, 96))):
         blocks = make_blocks(qtype, n, k, rng)
         interleaved, interleaved_type = interleave(blocks, qtype)
         assert interleaved_type == int(qtype) + 256 and interleaved.shape == blocks.shape
@@ -364,7 +370,7 @@ def test_interleaved_linear_is_its_arithmetic_bit_for_bit(qtype, m, cpu_isa):
     """At AVX2 and AVX-512 (vpdpbusd where the CPU has VNNI) the same bits as the numpy steps; below AVX2
     the rows go back to the file's layout for the float32 kernels (the float64 oracle's bound)."""
     rng = np.random.default_rng(int(qtype) * 100 + m)
-    for n, k in ((8, 32), (72, 96), (40, 576)):
+    for n, k in shapes(qtype, ((8, 32), (72, 96), (40, 576))):
         blocks = make_blocks(qtype, n, k, rng)
         before = ops.cpu_isa()
         _core.ops.set_cpu_isa(_core.ops.supported_cpu_isas()[-1])  # loading happens at the best level
@@ -389,17 +395,22 @@ def test_interleaved_linear_is_its_arithmetic_bit_for_bit(qtype, m, cpu_isa):
 @pytest.mark.parametrize("qtype", INTERLEAVED_TYPES, ids=lambda t: t.name)
 def test_interleaved_linear_edge_activations(qtype):
     """Zero blocks, a negative maximum, the extremes +-127 of x_q: AVX2 keeps Q4 sums in int16 for half a
-    block (at most 4 x 2 x 15 x 127 = 15240), Q8_0 as |w| x sign(w) x_q; both must stay exact."""
+    block (at most 4 x 2 x 15 x 127 = 15240; Q4_K's sub-block 8 x 2 x 15 x 127 = 30480), Q8_0 as |w| x
+    sign(w) x_q; all must stay exact."""
     if ops.cpu_isa() == "baseline":
         pytest.skip("no interleaved kernels below the AVX2 level")
     rng = np.random.default_rng(41)
-    blocks = make_blocks(qtype, 16, 128, rng)
-    codes = blocks.reshape(16, 4, -1)
-    codes[:8, :, -16:] = 0xFF  # every nibble 15 (Q4) / every code -1 (Q8_0)
+    k = 256 if qtype == T.Q4_K else 128
+    blocks = make_blocks(qtype, 16, k, rng)
+    codes = blocks.reshape(16, k // 32 if qtype != T.Q4_K else 1, -1)
+    codes[:8, :, -(128 if qtype == T.Q4_K else 16):] = 0xFF  # every nibble 15 (Q4) / every code -1 (Q8_0)
     if qtype == T.Q8_0:
         codes[8:, :, 2:] = 0x80  # -128: |w| = 128
+    if qtype == T.Q4_K:
+        codes[:8, :, 4:16] = 0xFF  # every 6-bit scale and min 63
     blocks = codes.reshape(16, -1)
-    x = rng.standard_normal((3, 128)).astype(np.float32)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[:, 128:] = 127.0 * np.sign(x[:, 128:])  # Q4_K: the second half's blocks all at +-127
     x[0, :32] = 0
     x[1, 32:64] = -np.abs(x[1, 32:64]) * 1e3
     x[2, 64:96] = 127.0
@@ -413,9 +424,10 @@ def test_interleaved_one_row_one_thread_equal_a_batch_on_two(qtype):
     if ops.cpu_isa() == "baseline":
         pytest.skip("no interleaved kernels below the AVX2 level")
     rng = np.random.default_rng(43)
-    blocks = make_blocks(qtype, 296, 576, rng)
+    k = 768 if qtype in K_QUANTS else 576
+    blocks = make_blocks(qtype, 296, k, rng)
     interleaved, interleaved_type = interleave(blocks, qtype)
-    x = rng.standard_normal((131, 576)).astype(np.float32)
+    x = rng.standard_normal((131, k)).astype(np.float32)
     before = ops.num_threads()
     try:
         ops.set_num_threads(2)
@@ -429,11 +441,12 @@ def test_interleaved_one_row_one_thread_equal_a_batch_on_two(qtype):
 
 
 def test_interleave_refuses_what_has_no_such_layout():
-    assert ops.gguf_interleave(torch.zeros(8, 144, dtype=torch.uint8), int(T.Q4_K)) is None  # a K-quant
+    assert ops.gguf_interleave(torch.zeros(8, 176, dtype=torch.uint8), int(T.Q5_K)) is None  # a K-quant
     assert ops.gguf_interleave(torch.zeros(12, 20, dtype=torch.uint8), int(T.Q4_1)) is None  # 12 rows
-    blocks = torch.zeros(8, 144, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"gguf_interleave: Q4_K has no interleaved layout \(Q4_0, Q4_1 and Q8_0 have\)"):
-        _core.ops.gguf_interleave(ops._dl(torch.empty_like(blocks)), ops._dl(blocks), int(T.Q4_K))
+    blocks = torch.zeros(8, 176, dtype=torch.uint8)
+    with pytest.raises(ValueError,
+                       match=r"gguf_interleave: Q5_K has no interleaved layout \(Q4_0, Q4_1, Q8_0 and Q4_K have\)"):
+        _core.ops.gguf_interleave(ops._dl(torch.empty_like(blocks)), ops._dl(blocks), int(T.Q5_K))
     blocks = torch.zeros(8, 20, dtype=torch.uint8)
     with pytest.raises(ValueError, match="gguf_interleave: out must be another tensor than blocks"):
         _core.ops.gguf_interleave(ops._dl(blocks), ops._dl(blocks), int(T.Q4_1))
@@ -441,9 +454,9 @@ def test_interleave_refuses_what_has_no_such_layout():
                                          "got 12"):
         ops.gguf_linear(torch.empty(1, 12), torch.zeros(1, 32), torch.zeros(12, 20, dtype=torch.uint8),
                         int(T.Q4_1) + 256)
-    with pytest.raises(ValueError, match=r"gguf_linear: type 268: Q4_K has no interleaved layout"):
-        ops.gguf_linear(torch.empty(1, 8), torch.zeros(1, 256), torch.zeros(8, 144, dtype=torch.uint8),
-                        int(T.Q4_K) + 256)
+    with pytest.raises(ValueError, match=r"gguf_linear: type 269: Q5_K has no interleaved layout"):
+        ops.gguf_linear(torch.empty(1, 8), torch.zeros(1, 256), torch.zeros(8, 176, dtype=torch.uint8),
+                        int(T.Q5_K) + 256)
     with pytest.raises(ValueError, match="GGUF tensor type -1 is not supported"):  # not read as -1 + 256
         ops.gguf_linear(torch.empty(1, 8), torch.zeros(1, 32), torch.zeros(8, 20, dtype=torch.uint8), -1)
 

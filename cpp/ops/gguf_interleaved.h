@@ -17,20 +17,26 @@
 // model's decode at batch 1 70 -> 114 tok/s on that instance, 85 -> 143 on
 // another (bench/results/intel_amx/session26.md).
 //
-// Layout, for the formats of 32-weight blocks (Q4_0, Q4_1, Q8_0): the rows
-// of a matrix [N, row_bytes] (N a multiple of 8) in groups of 8; group g
-// (rows 8g .. 8g + 7) takes the same bytes as those rows did, at
-// g * 8 * row_bytes, block b of the group at b * 8 * block_bytes:
+// Layout: the rows of a matrix [N, row_bytes] (N a multiple of 8) in groups
+// of 8; group g (rows 8g .. 8g + 7) takes the same bytes as those rows did,
+// at g * 8 * row_bytes, block b of the group at b * 8 * block_bytes:
 //
 //   Q4_0  d[8] (float16, row r at 2r), then 4 chunks of 32 code bytes
 //   Q4_1  d[8], m[8], then 4 chunks of 32 code bytes
 //   Q8_0  d[8], then 8 chunks of 32 code bytes
+//   Q4_K  d[8], dmin[8], then 3 chunks of the 12 scale bytes, then 32 chunks
+//         of the 128 code bytes (a 256-weight super-block)
 //
-// Chunk c's byte 4r + i is row r's code byte 4c + i: Q4's byte j holds
-// weights j (low nibble) and j + 16 (high), so chunk c's low nibbles are
-// weights 4c .. 4c + 3 of each row and its high nibbles weights 16 + 4c ..;
-// Q8_0's chunk c holds weights 4c .. 4c + 3. Nothing is decoded or rounded:
-// the bytes are permuted, and deinterleave_groups undoes it exactly.
+// Chunk c's byte 4r + i is row r's byte 4c + i of the block after its float16
+// scales: Q4's byte j holds weights j (low nibble) and j + 16 (high), so
+// chunk c's low nibbles are weights 4c .. 4c + 3 of each row and its high
+// nibbles weights 16 + 4c ..; Q8_0's chunk c holds weights 4c .. 4c + 3.
+// Q4_K's code byte 32 p + j holds weight j of sub-block 2 p (low nibble) and
+// of 2 p + 1 (high), so code chunk 8 p + c serves weights 4c .. 4c + 3 of
+// both; its scale chunk c holds scale bytes 4c .. 4c + 3, row r in int32
+// lane r, which is what its kernel unpacks 8 rows at a time. Nothing is
+// decoded or rounded: the bytes are permuted, and deinterleave_groups undoes
+// it exactly.
 //
 // Type numbers: an interleaved matrix carries its format's ggml type number
 // plus kInterleavedTypeFlag (Q4_1: 3 + 256), so the ops (gguf_ops.h) know
@@ -48,13 +54,15 @@ inline constexpr int64_t kInterleavedTypeFlag = 256;
 
 // The formats with an interleaved layout.
 constexpr bool has_interleaved_layout(BlockType t) {
-  return t == BlockType::kQ4_0 || t == BlockType::kQ4_1 || t == BlockType::kQ8_0;
+  return t == BlockType::kQ4_0 || t == BlockType::kQ4_1 || t == BlockType::kQ8_0 || t == BlockType::kQ4_K;
 }
 
 // Their blocks' geometry, the one place the kernels and the permutation take it from: float16 scales
-// first (Q4_1: d and m), then the code bytes.
-constexpr int scale_bytes(BlockType t) { return t == BlockType::kQ4_1 ? 4 : 2; }
-constexpr int code_bytes(BlockType t) { return t == BlockType::kQ8_0 ? 32 : 16; }
+// first (Q4_1: d and m; Q4_K: d and dmin), then the bytes moved 4 at a time (Q4_K: its scale bytes too).
+constexpr int scale_bytes(BlockType t) { return t == BlockType::kQ4_1 || t == BlockType::kQ4_K ? 4 : 2; }
+constexpr int code_bytes(BlockType t) {
+  return t == BlockType::kQ8_0 ? 32 : t == BlockType::kQ4_K ? 12 + 128 : 16;
+}
 constexpr int block_bytes(BlockType t) { return scale_bytes(t) + code_bytes(t); }
 
 // Type numbers: negative ones are no type, and stay as they are (block_format rejects them).
