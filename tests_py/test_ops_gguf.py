@@ -298,7 +298,7 @@ def test_int8_path_edge_activations(qtype):
 # ---------------------------------------------------------------------------
 # Interleaved blocks (cpp/ops/gguf_interleaved.h): eight rows side by side, made once at load.
 
-INTERLEAVED_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K]
+INTERLEAVED_TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
 
 
 def shapes(qtype: T, shapes_32: tuple) -> tuple:
@@ -322,9 +322,14 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
 def interleaved_arithmetic(x: np.ndarray, blocks: np.ndarray, qtype: T, bias: np.ndarray | None = None) -> np.ndarray:
     """gguf_int8_interleaved.inc's float32 steps in numpy, per output and 32-weight block, blocks in order:
     Q4_1 and Q4_K acc = fma(fma(dot, d_w, m_w sum x_q), d_x, acc) (Q4_K: a sub-block's d sc and -dmin m);
-    Q4_0, Q8_0 acc = fma(dot, d_w d_x, acc); dot the exact integer sum of codes x_q (Q4_0's codes less 8)."""
+    Q4_0, Q8_0 acc = fma(dot, d_w d_x, acc), Q6_K the same per 16-weight quarter; dot the exact integer sum
+    of codes x_q (Q4_0's codes less 8, Q6_K's less 32)."""
     xq, dx = int8_activations(x)
     codes, dw, mw = block_codes(blocks, qtype)
+    if qtype == T.Q6_K:  # quarters of 16 weights, each with its own scale, by super-block, half, quarter, block
+        order = np.arange(codes.shape[1] * 2).reshape(-1, 2, 4, 2).transpose(0, 1, 3, 2).reshape(-1)
+        xq, codes, dw = (t.reshape(t.shape[0], -1, 16)[:, order] for t in (xq, codes, dw))
+        dx = np.repeat(dx, 2, axis=1)[:, order]
     dots = np.einsum("mbk,nbk->mnb", xq, codes).astype(np.float32)  # |dot| < 2^24: exact
     d = dw[:, :, 0].astype(np.float32)  # a float16 per block
     sums = xq.sum(-1).astype(np.float32)
@@ -357,8 +362,9 @@ def test_interleave_keeps_every_byte_and_rows_look_up_as_before(qtype):
         assert interleaved_type == int(qtype) + 256 and interleaved.shape == blocks.shape
         assert interleaved.numpy().tobytes() != blocks.tobytes()  # rearranged ...
         assert np.array_equal(np.sort(interleaved.numpy(), axis=None), np.sort(blocks, axis=None))  # ... not changed
-        # Group 0, block 0: the eight rows' d first (row r at bytes 2r, 2r + 1).
-        assert np.array_equal(interleaved.numpy()[0, :16], blocks[:8, :2].reshape(-1))
+        # Group 0, block 0: the eight rows' d first (row r at bytes 2r, 2r + 1; Q6_K's is a block's last 2).
+        d_at = 208 if qtype == T.Q6_K else 0
+        assert np.array_equal(interleaved.numpy()[0, :16], blocks[:8, d_at:d_at + 2].reshape(-1))
         out = torch.empty(n, k)
         ops.gguf_dequantize_rows(out, interleaved, interleaved_type, torch.arange(n - 1, -1, -1))
         np.testing.assert_array_equal(out.numpy(), quants.dequantize(blocks, qtype)[::-1])
@@ -400,10 +406,15 @@ def test_interleaved_linear_edge_activations(qtype):
     if ops.cpu_isa() == "baseline":
         pytest.skip("no interleaved kernels below the AVX2 level")
     rng = np.random.default_rng(41)
-    k = 256 if qtype == T.Q4_K else 128
+    k = 256 if qtype in K_QUANTS else 128
     blocks = make_blocks(qtype, 16, k, rng)
-    codes = blocks.reshape(16, k // 32 if qtype != T.Q4_K else 1, -1)
-    codes[:8, :, -(128 if qtype == T.Q4_K else 16):] = 0xFF  # every nibble 15 (Q4) / every code -1 (Q8_0)
+    codes = blocks.reshape(16, k // GGML_QUANT_SIZES[qtype][0], -1)
+    if qtype == T.Q6_K:
+        codes[:8, :, :192] = 0xFF  # every 6-bit code 63 (unsigned against x_q: 2 x 63 x 127 a pair)
+        codes[:8, :, 192:208] = 0x7F  # scales 127
+        codes[8:, :, 192:208] = 0x80  # scales -128
+    else:
+        codes[:8, :, -(128 if qtype == T.Q4_K else 16):] = 0xFF  # every nibble 15 (Q4) / every code -1 (Q8_0)
     if qtype == T.Q8_0:
         codes[8:, :, 2:] = 0x80  # -128: |w| = 128
     if qtype == T.Q4_K:
@@ -445,7 +456,7 @@ def test_interleave_refuses_what_has_no_such_layout():
     assert ops.gguf_interleave(torch.zeros(12, 20, dtype=torch.uint8), int(T.Q4_1)) is None  # 12 rows
     blocks = torch.zeros(8, 176, dtype=torch.uint8)
     with pytest.raises(ValueError,
-                       match=r"gguf_interleave: Q5_K has no interleaved layout \(Q4_0, Q4_1, Q8_0 and Q4_K have\)"):
+                       match=r"gguf_interleave: Q5_K has no interleaved layout \(Q4_0, Q4_1, Q8_0, Q4_K and Q6_K have\)"):
         _core.ops.gguf_interleave(ops._dl(torch.empty_like(blocks)), ops._dl(blocks), int(T.Q5_K))
     blocks = torch.zeros(8, 20, dtype=torch.uint8)
     with pytest.raises(ValueError, match="gguf_interleave: out must be another tensor than blocks"):

@@ -7,7 +7,7 @@ namespace pagedserve::ops::gguf {
 
 std::string why_not_interleavable(const BlockFormat& format, int64_t rows) {
   if (!has_interleaved_layout(format.type)) {
-    return std::string(format.name) + " has no interleaved layout (Q4_0, Q4_1, Q8_0 and Q4_K have)";
+    return std::string(format.name) + " has no interleaved layout (Q4_0, Q4_1, Q8_0, Q4_K and Q6_K have)";
   }
   if (rows % kInterleavedRows != 0) {
     return "the interleaved layout takes rows in groups of 8, got " + std::to_string(rows);

@@ -10,9 +10,13 @@ namespace {
 
 // A block's parts (gguf_interleaved.h's geometry).
 struct BlockParts {
-  int header;
-  int codes;
-  explicit BlockParts(BlockType type) : header(scale_bytes(type)), codes(code_bytes(type)) {}
+  int header;         // float16 scales' bytes
+  int codes;          // bytes moved 4 at a time
+  int header_offset;  // where the file's layout keeps them
+  int codes_offset;
+  explicit BlockParts(BlockType type)
+      : header(scale_bytes(type)), codes(code_bytes(type)), header_offset(file_scale_offset(type)),
+        codes_offset(file_code_offset(type)) {}
   int64_t bytes() const { return header + codes; }
 };
 
@@ -20,9 +24,9 @@ struct BlockParts {
 // each float16 (2 bytes) and each run of 4 code bytes. Offsets are within the block.
 template <typename Move>
 void for_each_piece(const BlockParts& parts, int r, Move move) {
-  for (int half = 0; half < parts.header / 2; ++half) move(16 * half + 2 * r, 2 * half, 2);
+  for (int half = 0; half < parts.header / 2; ++half) move(16 * half + 2 * r, parts.header_offset + 2 * half, 2);
   for (int chunk = 0; chunk < parts.codes / 4; ++chunk) {
-    move(kInterleavedRows * parts.header + 32 * chunk + 4 * r, parts.header + 4 * chunk, 4);
+    move(kInterleavedRows * parts.header + 32 * chunk + 4 * r, parts.codes_offset + 4 * chunk, 4);
   }
 }
 

@@ -26,6 +26,8 @@
 //   Q8_0  d[8], then 8 chunks of 32 code bytes
 //   Q4_K  d[8], dmin[8], then 3 chunks of the 12 scale bytes, then 32 chunks
 //         of the 128 code bytes (a 256-weight super-block)
+//   Q6_K  d[8] (the file's last 2 bytes of a block), then 52 chunks of its
+//         first 208: ql (32 chunks), qh (16), the 16 int8 scales (4)
 //
 // Chunk c's byte 4r + i is row r's byte 4c + i of the block after its float16
 // scales: Q4's byte j holds weights j (low nibble) and j + 16 (high), so
@@ -34,7 +36,8 @@
 // Q4_K's code byte 32 p + j holds weight j of sub-block 2 p (low nibble) and
 // of 2 p + 1 (high), so code chunk 8 p + c serves weights 4c .. 4c + 3 of
 // both; its scale chunk c holds scale bytes 4c .. 4c + 3, row r in int32
-// lane r, which is what its kernel unpacks 8 rows at a time. Nothing is
+// lane r, which is what its kernel unpacks 8 rows at a time (Q6_K's
+// scales alike). Nothing is
 // decoded or rounded: the bytes are permuted, and deinterleave_groups undoes
 // it exactly.
 //
@@ -54,15 +57,20 @@ inline constexpr int64_t kInterleavedTypeFlag = 256;
 
 // The formats with an interleaved layout.
 constexpr bool has_interleaved_layout(BlockType t) {
-  return t == BlockType::kQ4_0 || t == BlockType::kQ4_1 || t == BlockType::kQ8_0 || t == BlockType::kQ4_K;
+  return t == BlockType::kQ4_0 || t == BlockType::kQ4_1 || t == BlockType::kQ8_0 || t == BlockType::kQ4_K ||
+         t == BlockType::kQ6_K;
 }
 
-// Their blocks' geometry, the one place the kernels and the permutation take it from: float16 scales
-// first (Q4_1: d and m; Q4_K: d and dmin), then the bytes moved 4 at a time (Q4_K: its scale bytes too).
+// Their blocks' geometry, the one place the kernels and the permutation take it from: the float16
+// scales (Q4_1: d and m; Q4_K: d and dmin; first in a block, Q6_K's d last), and the bytes moved 4 at
+// a time (the K-quants' scale bytes too), first in the interleaved block and then the rest.
 constexpr int scale_bytes(BlockType t) { return t == BlockType::kQ4_1 || t == BlockType::kQ4_K ? 4 : 2; }
 constexpr int code_bytes(BlockType t) {
-  return t == BlockType::kQ8_0 ? 32 : t == BlockType::kQ4_K ? 12 + 128 : 16;
+  return t == BlockType::kQ8_0 ? 32 : t == BlockType::kQ4_K ? 12 + 128 : t == BlockType::kQ6_K ? 208 : 16;
 }
+// Where a block of the file's layout keeps them: the scales' offset and the chunks'.
+constexpr int file_scale_offset(BlockType t) { return t == BlockType::kQ6_K ? code_bytes(t) : 0; }
+constexpr int file_code_offset(BlockType t) { return t == BlockType::kQ6_K ? 0 : scale_bytes(t); }
 constexpr int block_bytes(BlockType t) { return scale_bytes(t) + code_bytes(t); }
 
 // Type numbers: negative ones are no type, and stay as they are (block_format rejects them).
