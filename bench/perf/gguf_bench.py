@@ -13,6 +13,10 @@ does), the same with the blocks left in the file's layout, and the bf16 director
 it, one request generating N tokens greedily, the engines interleaved round by round so a busy
 machine slows all alike; ms per generated token and the time ratios.
 
+Layer stack: the linears of 8 TinyLlama-1.1B layers as a Q4_K_M file stores them (Q4_K, ffn_down Q6_K
+on every other layer), ~220 MB of distinct weights, so streamed from DRAM as in a decode step, at 1 and
+16 rows, file layout against interleaved (alternating per repeat).
+
     PYTHONPATH=python python bench/perf/gguf_bench.py [--repeats 30] [--rounds 5] [--tokens 64]
     python bench/perf/gguf_bench.py --quick     # few repeats and tokens: checks the script works
 
@@ -102,6 +106,56 @@ def bench_kernels(formats: list[str], repeats: int) -> list[dict]:
     return rows
 
 
+# A Q4_K_M file's linears of a TinyLlama-1.1B layer (llama.cpp's mix: Q4_K, with ffn_down in Q6_K on half the
+# layers; here on every other one) and the layers of a stack too large for the cache: the decode regime.
+STACK_LAYER = {"qkv": (2560, 2048, "Q4_K"), "o": (2048, 2048, "Q4_K"), "gate_up": (11264, 2048, "Q4_K"),
+               "down": (2048, 5632, "Q6_K")}
+STACK_LAYERS = 8
+
+
+def bench_layer_stack(repeats: int, rows_list=(1, 16)) -> list[dict]:
+    """Every linear of STACK_LAYERS layers (distinct weights, ~220 MB) at M rows, file layout vs interleaved,
+    the layouts alternating per repeat: GB/s of weight bytes, streamed from DRAM."""
+    from gguf import GGMLQuantizationType
+
+    rng = np.random.default_rng(1)
+    layouts = {"file layout": [], "interleaved": []}
+    for layer in range(STACK_LAYERS):
+        for name, (n, k, type_name) in STACK_LAYER.items():
+            if name == "down" and layer % 2:
+                type_name = "Q4_K"
+            blocks, qtype = random_blocks(type_name, n, k, rng), int(GGMLQuantizationType[type_name])
+            layouts["file layout"].append((blocks, qtype, n, k))
+            made = ops.gguf_interleave(blocks, qtype)
+            if made is not None:
+                layouts["interleaved"].append((*made, n, k))
+    if not layouts["interleaved"]:
+        print(f"layer stack: no interleaved kernels at this ISA level ({ops.cpu_isa()}); skipped")
+        return []
+    weight_bytes = sum(b.numel() for b, *_ in layouts["file layout"])
+    rows_out = []
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k) for k in {k for *_, k in layouts["file layout"]}}
+        outs = {n: torch.empty(rows, n) for n in {n for *_, n, _k in layouts["file layout"]}}
+
+        def run(mats):
+            for blocks, qtype, n, k in mats:
+                ops.gguf_linear(outs[n], xs[k], blocks, qtype)
+        samples = {name: [] for name in layouts}
+        for name, mats in layouts.items():
+            run(mats)  # warm-up
+        for _ in range(repeats):
+            for name, mats in layouts.items():
+                start = time.perf_counter()
+                run(mats)
+                samples[name].append(time.perf_counter() - start)
+        for name, values in samples.items():
+            seconds = statistics.median(values)
+            rows_out.append(dict(rows=rows, layout=name, ms=round(seconds * 1e3, 2),
+                                 weight_mb=round(weight_bytes / 1e6, 1), gb_s=round(weight_bytes / seconds / 1e9, 2)))
+    return rows_out
+
+
 def bench_decode(rounds: int, tokens: int) -> dict:
     from pagedserve import LLM, SamplingParams
     from pagedserve.models.default_model import default_gguf_path, default_model_dir
@@ -128,7 +182,7 @@ def bench_decode(rounds: int, tokens: int) -> dict:
                 bf16_over_gguf_time_ratio=ratio("bf16"), file_layout_over_interleaved_time_ratio=ratio(FILE_LAYOUT))
 
 
-def to_markdown(kernels: list[dict], decode: dict, note: str) -> str:
+def to_markdown(kernels: list[dict], decode: dict, note: str, stack: list[dict] = ()) -> str:
     lines = ["# GGUF kernels and decode (CPU)", "", note, "",
              "## ops.gguf_linear at M = 1 (weight bytes streamed per second)", "",
              "| shape | N x K | format | us | weight MB | GB/s |", "|---|---|---|---:|---:|---:|"]
@@ -140,6 +194,11 @@ def to_markdown(kernels: list[dict], decode: dict, note: str) -> str:
     lines += ["", "Time ratios, median over rounds: bf16 / Q4_1 GGUF "
                   f"{decode['bf16_over_gguf_time_ratio']}; file layout / interleaved "
                   f"{decode['file_layout_over_interleaved_time_ratio']}", ""]
+    if stack:
+        lines += [f"## A Q4_K_M stack: {STACK_LAYERS} TinyLlama-1.1B layers' linears (Q4_K; ffn_down Q6_K on every "
+                  "other layer), from DRAM", "", "| rows | layout | ms | weight MB | GB/s |", "|---:|---|---:|---:|---:|"]
+        lines += [f"| {r['rows']} | {r['layout']} | {r['ms']} | {r['weight_mb']} | {r['gb_s']} |" for r in stack]
+        lines += [""]
     return "\n".join(lines)
 
 
@@ -155,13 +214,16 @@ def main():
     formats += [f + INTERLEAVED for f in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K") if f in formats]
     with torch.inference_mode():
         kernels = bench_kernels(formats, repeats)
+        stack = [] if args.quick else bench_layer_stack(max(3, repeats // 3))
     for r in kernels:
         print(f"{r['shape']:8} {r['n']:>6} x {r['k']:<5} {r['format']:10} {r['us']:>9} us {r['gb_s']:>7} GB/s")
+    for r in stack:
+        print(f"stack M={r['rows']:<3} {r['layout']:12} {r['ms']:>8} ms {r['gb_s']:>7} GB/s")
     decode = bench_decode(args.rounds or (1 if args.quick else 5), args.tokens or (8 if args.quick else 64))
     print(decode)
     path = save("gguf" + ("_quick" if args.quick else ""), dict(device="cpu", threads=ops.num_threads(),
-                                                                kernels=kernels, decode=decode),
-                to_markdown(kernels, decode, args.note), args.out)
+                                                                kernels=kernels, decode=decode, layer_stack=stack),
+                to_markdown(kernels, decode, args.note, stack), args.out)
     print(f"saved {path}")
 
 
