@@ -2,7 +2,7 @@
 
 Kernels: ops.gguf_linear at M = 1 (a decode step's product) on SmolLM2-135M's shapes (the tied
 LM head 49152 x 576, the merged gate/up 3072 x 576, down 576 x 1536) for each block format, in
-the file's layout and, for Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, interleaved as loading makes them
+the file's layout and interleaved as loading makes them
 (cpp/ops/gguf_interleaved.h), reported as GB/s of weight bytes streamed, beside the bf16 tiles
 (ops.packed_linear) the bf16 model runs. The K-quants (256-weight super-blocks) run those shapes
 with K rounded up to 768. The weights stay in cache between repeats (the figures are the
@@ -211,7 +211,7 @@ def main():
     args = parser.parse_args()
     repeats = args.repeats or (3 if args.quick else 30)
     formats = ["Q4_1", "Q8_0"] if args.quick else list(FORMATS)
-    formats += [f + INTERLEAVED for f in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K") if f in formats]
+    formats += [f + INTERLEAVED for f in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K") if f in formats]
     with torch.inference_mode():
         kernels = bench_kernels(formats, repeats)
         stack = [] if args.quick else bench_layer_stack(max(3, repeats // 3))

@@ -5,10 +5,7 @@
 
 namespace pagedserve::ops::gguf {
 
-std::string why_not_interleavable(const BlockFormat& format, int64_t rows) {
-  if (!has_interleaved_layout(format.type)) {
-    return std::string(format.name) + " has no interleaved layout (Q4_0, Q4_1, Q8_0, Q4_K and Q6_K have)";
-  }
+std::string why_not_interleavable(int64_t rows) {
   if (rows % kInterleavedRows != 0) {
     return "the interleaved layout takes rows in groups of 8, got " + std::to_string(rows);
   }
@@ -19,7 +16,7 @@ const BlockFormat& check_block_matrix(std::string_view op, const TensorView& blo
   const BlockFormat& format = block_format(file_type_of(type), std::string(op).c_str());
   require_tensor_of(op, "blocks", blocks, Device::kCPU, 2, DType::kUInt8);
   if (is_interleaved_type(type)) {
-    const std::string reason = why_not_interleavable(format, blocks.size(0));
+    const std::string reason = why_not_interleavable(blocks.size(0));
     PS_REQUIRE(reason.empty(), op, "type " + std::to_string(type) + ": " + reason);
   }
   PS_REQUIRE(k_size % format.elems == 0, op,

@@ -15,7 +15,7 @@ namespace pagedserve::ops::gguf {
 // (type + 256, gguf_interleaved.h), for rows of k_size weights; returns the format.
 const BlockFormat& check_block_matrix(std::string_view op, const TensorView& blocks, int64_t type, int64_t k_size);
 
-// Why `rows` rows of `format` cannot take the interleaved layout, or "" where they can.
-std::string why_not_interleavable(const BlockFormat& format, int64_t rows);
+// Why `rows` rows cannot take the interleaved layout (every format has one), or "" where they can.
+std::string why_not_interleavable(int64_t rows);
 
 }  // namespace pagedserve::ops::gguf

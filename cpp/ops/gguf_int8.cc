@@ -191,8 +191,8 @@ void linear_int8_interleaved(BlockType type, const LinearArgs& args) {
     case BlockType::kQ4_1: return run_interleaved_on_this_cpu<BlockType::kQ4_1>(args);
     case BlockType::kQ8_0: return run_interleaved_on_this_cpu<BlockType::kQ8_0>(args);
     case BlockType::kQ4_K: return run_interleaved_on_this_cpu<BlockType::kQ4_K>(args);
+    case BlockType::kQ5_K: return run_interleaved_on_this_cpu<BlockType::kQ5_K>(args);
     case BlockType::kQ6_K: return run_interleaved_on_this_cpu<BlockType::kQ6_K>(args);
-    default: return;  // no interleaved layout: gguf_checks.h refused the type before
   }
 }
 

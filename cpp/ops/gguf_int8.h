@@ -46,7 +46,7 @@ bool int8_activations_apply(BlockType type);
 // out = x W^T (+ bias) on that path; the caller checked the arguments.
 void linear_int8_activations(BlockType type, const LinearArgs& args);
 
-// The same over interleaved blocks (gguf_interleaved.h: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; out_features a multiple
+// The same over interleaved blocks (gguf_interleaved.h: every format; out_features a multiple
 // of 8; blocks [N, row_bytes] in that layout), on the same path: one int32 dot product per row and
 // block instead of 8 lanes (gguf_int8_interleaved.inc gives the arithmetic).
 void linear_int8_interleaved(BlockType type, const LinearArgs& args);

@@ -26,6 +26,7 @@
 //   Q8_0  d[8], then 8 chunks of 32 code bytes
 //   Q4_K  d[8], dmin[8], then 3 chunks of the 12 scale bytes, then 32 chunks
 //         of the 128 code bytes (a 256-weight super-block)
+//   Q5_K  as Q4_K, with the 8 chunks of qh[32] between the scales and codes
 //   Q6_K  d[8] (the file's last 2 bytes of a block), then 52 chunks of its
 //         first 208: ql (32 chunks), qh (16), the 16 int8 scales (4)
 //
@@ -55,18 +56,20 @@ namespace pagedserve::ops::gguf {
 inline constexpr int kInterleavedRows = 8;
 inline constexpr int64_t kInterleavedTypeFlag = 256;
 
-// The formats with an interleaved layout.
-constexpr bool has_interleaved_layout(BlockType t) {
-  return t == BlockType::kQ4_0 || t == BlockType::kQ4_1 || t == BlockType::kQ8_0 || t == BlockType::kQ4_K ||
-         t == BlockType::kQ6_K;
-}
-
 // Their blocks' geometry, the one place the kernels and the permutation take it from: the float16
 // scales (Q4_1: d and m; Q4_K: d and dmin; first in a block, Q6_K's d last), and the bytes moved 4 at
 // a time (the K-quants' scale bytes too), first in the interleaved block and then the rest.
-constexpr int scale_bytes(BlockType t) { return t == BlockType::kQ4_1 || t == BlockType::kQ4_K ? 4 : 2; }
+constexpr int scale_bytes(BlockType t) {
+  return t == BlockType::kQ4_1 || t == BlockType::kQ4_K || t == BlockType::kQ5_K ? 4 : 2;
+}
 constexpr int code_bytes(BlockType t) {
-  return t == BlockType::kQ8_0 ? 32 : t == BlockType::kQ4_K ? 12 + 128 : t == BlockType::kQ6_K ? 208 : 16;
+  switch (t) {
+    case BlockType::kQ8_0: return 32;
+    case BlockType::kQ4_K: return 12 + 128;
+    case BlockType::kQ5_K: return 12 + 32 + 128;
+    case BlockType::kQ6_K: return 208;
+    default: return 16;
+  }
 }
 // Where a block of the file's layout keeps them: the scales' offset and the chunks'.
 constexpr int file_scale_offset(BlockType t) { return t == BlockType::kQ6_K ? code_bytes(t) : 0; }

@@ -6,7 +6,7 @@
 // blocks: [N, row_bytes] uint8, row n = output feature n (one embedding row),
 // its K / block_elems blocks along K; type: the ggml type number (2 Q4_0,
 // 3 Q4_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K), plus 256 for blocks that
-// gguf_interleave rearranged (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; N a multiple of 8).
+// gguf_interleave rearranged (N a multiple of 8).
 // Arithmetic is float32 below the AVX2 level; at AVX2 and above (every
 // format) x is first rounded to int8 per 32-element block and multiplied in
 // integers (gguf_int8.h). Bad arguments (an unsupported type, a row_bytes
@@ -31,10 +31,10 @@ void gguf_linear(const TensorView& out, const TensorView& x, const TensorView& b
 void gguf_dequantize_rows(const TensorView& out, const TensorView& blocks, int64_t type, const TensorView& ids);
 
 // The type number of `type`'s interleaved layout where this process's gguf_linear has a kernel for it
-// (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K with `rows` a multiple of 8, at the AVX2 level and above), else -1.
+// (`rows` a multiple of 8, at the AVX2 level and above), else -1.
 int64_t gguf_interleaved_type(int64_t type, int64_t rows);
 
-// out = blocks of file type `type` (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K; N a multiple of 8) in the interleaved layout
+// out = blocks of file type `type` (N a multiple of 8) in the interleaved layout
 // (same shape, uint8; not in place): gguf_linear's and gguf_dequantize_rows' blocks of type
 // type + 256 at any ISA level (below AVX2 they run through the file's layout again, so loading
 // interleaves only where gguf_interleaved_type says it pays).

@@ -57,7 +57,7 @@ void gguf_dequantize_rows(const TensorView& out, const TensorView& blocks, int64
 
 int64_t gguf_interleaved_type(int64_t type, int64_t rows) {
   const BlockFormat& format = gguf::block_format(type, "gguf_interleaved_type");
-  const bool applies = gguf::why_not_interleavable(format, rows).empty() && gguf::int8_activations_apply(format.type);
+  const bool applies = gguf::why_not_interleavable(rows).empty() && gguf::int8_activations_apply(format.type);
   return applies ? type | gguf::kInterleavedTypeFlag : -1;
 }
 
@@ -65,7 +65,7 @@ void gguf_interleave(const TensorView& out, const TensorView& blocks, int64_t ty
   constexpr std::string_view op = "gguf_interleave";
   const BlockFormat& format = gguf::block_format(type, std::string(op).c_str());
   require_tensor_of(op, "blocks", blocks, Device::kCPU, 2, DType::kUInt8);
-  const std::string reason = gguf::why_not_interleavable(format, blocks.size(0));
+  const std::string reason = gguf::why_not_interleavable(blocks.size(0));
   PS_REQUIRE(reason.empty(), op, reason);
   PS_REQUIRE(blocks.size(1) % format.bytes == 0, op,
              std::to_string(blocks.size(1)) + " bytes per row is not a whole number of " + format.name + " blocks");

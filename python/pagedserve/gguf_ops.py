@@ -35,7 +35,7 @@ def gguf_dequantize_rows(out: torch.Tensor, blocks: torch.Tensor, ggml_type: int
 def gguf_interleave(blocks: torch.Tensor, ggml_type: int) -> tuple[torch.Tensor, int] | None:
     """GGUF blocks [N, row_bytes] rearranged 8 rows at a time (cpp/ops/gguf_interleaved.h), the layout
     gguf_linear runs fastest, with its type number; None where this process has no kernel for that layout
-    (not Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K, N not a multiple of 8, or below the AVX2 level)."""
+    (N not a multiple of 8, or below the AVX2 level)."""
     interleaved_type = _cpu_ops.gguf_interleaved_type(int(ggml_type), blocks.shape[0])
     if interleaved_type < 0:
         return None

@@ -8,8 +8,8 @@ that is a row permutation of the block bytes: nothing is dequantized.
 
 On the CPU a quantized linear becomes a ``GgufLinear`` kernel over its blocks
 (the layer's float weight is dropped), a quantized embedding a ``GgufRows``
-lookup, and a tied LM head the same blocks through ``GgufLinear``; Q4_0, Q4_1,
-Q8_0, Q4_K and Q6_K blocks are first interleaved eight rows at a time where the CPU has
+lookup, and a tied LM head the same blocks through ``GgufLinear``; the
+blocks are first interleaved eight rows at a time where the CPU has
 the kernels for that layout (``Segment.interleaved``; still no dequantizing). On other
 devices quantized tensors are dequantized (gguf.quants) into the dense
 parameters. F32/F16/BF16 tensors (norms, biases, small models' matrices) are
