@@ -1,7 +1,8 @@
 """GGUF models run from their blocks, against independent oracles.
 
 (a) A tiny random Llama written to GGUF here with gguf.GGUFWriter (Q8_0 / Q4_0 linears
-    made by gguf.quants.quantize, F32 norms, q/k rows permuted as llama.cpp's converter
+    made by gguf.quants.quantize, or a Q4_K_M-like mix of random Q4_K / Q5_K / Q6_K blocks,
+    which that package cannot make; F32 norms, q/k rows permuted as llama.cpp's converter
     does): pagedserve on the file vs transformers loading the same file (which
     dequantizes it and undoes the permutation itself). Both compute in float32 on the
     same dequantized weights, so logits agree to ~1e-6 relative; asserted < 1e-4, and
@@ -52,6 +53,24 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
         .reshape(weight.shape)
 
 
+K_QUANT_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+def random_k_blocks(qtype: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, row_bytes] random K-quant blocks whose weights stay below ~0.1 (float16 d and dmin of 1e-4..3e-4;
+    Q6_K's int8 scales times d 4e-4)."""
+    from gguf import GGML_QUANT_SIZES
+
+    elems, size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // elems, size), dtype=np.uint8)
+    halves = (208,) if qtype == T.Q6_K else (0, 2)
+    for offset in halves:
+        scale = 4e-4 if qtype == T.Q6_K else 1e-4
+        values = rng.uniform(scale, 3 * scale, size=(n, k // elems)).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = values[..., None].view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
 def write_tiny_gguf(path: Path, hf_model, linear_types: dict[str, T], embed_type: T, output_type,
                     arch: str = "llama") -> Path:
     """hf_model as a GGUF of ``arch``: linears of the given types (default Q8_0), norms and biases F32;
@@ -72,10 +91,14 @@ def write_tiny_gguf(path: Path, hf_model, linear_types: dict[str, T], embed_type
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
 
+    rng = np.random.default_rng(7)
+
     def add(name: str, tensor: torch.Tensor, qtype) -> None:
         data = tensor.detach().float().numpy()
         if qtype in (None, T.F32):
             writer.add_tensor(name, np.ascontiguousarray(data))
+        elif qtype in K_QUANT_TYPES:  # gguf.quants cannot make these: random blocks (both engines read the file)
+            writer.add_tensor(name, random_k_blocks(qtype, *data.shape, rng), raw_dtype=qtype)
         else:
             writer.add_tensor(name, quants.quantize(np.ascontiguousarray(data), qtype), raw_dtype=qtype)
 
@@ -149,6 +172,9 @@ def hf_greedy(hf_model, prompt: list[int], steps: int) -> list[int]:
 
 CASES = {
     "q8_0-untied": (dict(), T.Q8_0, T.Q4_0),
+    # A Q4_K_M-like mix of K-quants (random blocks), K a multiple of their 256-weight super-blocks.
+    "k-quants": (dict(attn_q=T.Q4_K, attn_k=T.Q4_K, attn_v=T.Q6_K, attn_output=T.Q4_K, ffn_gate=T.Q5_K,
+                      ffn_up=T.Q4_K, ffn_down=T.Q6_K), T.Q6_K, T.Q6_K),
     # attn_v in another type than q/k: the merged qkv keeps one segment per type; tied LM head on Q4_0 blocks.
     "q4_0-mixed-tied": (dict(attn_q=T.Q4_0, attn_k=T.Q4_0, attn_output=T.Q4_0, ffn_gate=T.Q4_0, ffn_up=T.Q4_0,
                              ffn_down=T.Q4_0), T.Q4_0, None),
@@ -161,7 +187,8 @@ def test_tiny_gguf_matches_transformers_on_the_same_file(case, tmp_path, monkeyp
 
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
     linear_types, embed_type, output_type = CASES[case]
-    source = make_hf_model(LlamaConfig, seed=3, tie_word_embeddings=output_type is None, **TINY)
+    shape = dict(TINY, hidden_size=256, intermediate_size=512) if embed_type in K_QUANT_TYPES else TINY
+    source = make_hf_model(LlamaConfig, seed=3, tie_word_embeddings=output_type is None, **shape)
     path = write_tiny_gguf(tmp_path / "tiny.gguf", source, linear_types, embed_type, output_type)
     oracle = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
     ours = ours_from(gguf_model_dir(path, tmp_path / "cache"))
