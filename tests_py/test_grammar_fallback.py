@@ -14,8 +14,8 @@ import torch
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 from pagedserve.errors import RequestError
 
-# xgrammar 0.2.8 refuses both features: a JSON pointer with an escaped "/" (~1) and integer bounds that
-# are not whole numbers; both are valid JSON Schema, which jsonschema checks independently.
+# xgrammar refuses integer bounds that are not whole numbers (0.2.8 and 0.2.9), and 0.2.8 also a JSON
+# pointer with an escaped "/" (~1); both are valid JSON Schema, which jsonschema checks independently.
 FALLBACK_SCHEMA = {
     "type": "object",
     "properties": {"unit": {"$ref": "#/$defs/temperature~1unit"},

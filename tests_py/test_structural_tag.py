@@ -185,10 +185,12 @@ def test_xgrammar_format_forces_a_tag(llm):
 
 
 # ---------------------------------------------------------------- llguidance fallback
-# The same function, its parameters given with a JSON pointer xgrammar 0.2.8 cannot follow ("~1" is an
-# escaped "/"): llguidance compiles the legacy tag instead (see test_grammar_fallback.py).
+# The same function with what xgrammar refuses (see test_grammar_fallback.py): an optional integer whose
+# bounds are not whole numbers (0.2.8 and 0.2.9), and its unit through a JSON pointer with an escaped "/"
+# ("~1", which 0.2.8 could not follow): llguidance compiles the legacy tag instead.
 WEATHER_REF = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                               "unit": {"$ref": "#/$defs/temperature~1unit"}},
+                                               "unit": {"$ref": "#/$defs/temperature~1unit"},
+                                               "days": {"type": "integer", "minimum": 0.5, "maximum": 9.5}},
                "required": ["city", "unit"], "additionalProperties": False,
                "$defs": {"temperature/unit": {"enum": ["celsius", "fahrenheit"]}}}
 REF_TAG = {"type": "structural_tag", "structures": [{"begin": BEGIN, "schema": WEATHER_REF, "end": END}],
