@@ -196,7 +196,8 @@ def to_markdown(kernels: list[dict], decode: dict, note: str, stack: list[dict] 
                   f"{decode['file_layout_over_interleaved_time_ratio']}", ""]
     if stack:
         lines += [f"## A Q4_K_M stack: {STACK_LAYERS} TinyLlama-1.1B layers' linears (Q4_K; ffn_down Q6_K on every "
-                  "other layer), from DRAM", "", "| rows | layout | ms | weight MB | GB/s |", "|---:|---|---:|---:|---:|"]
+                  "other layer), from DRAM", "", "| rows | layout | ms | weight MB | GB/s |",
+                  "|---:|---|---:|---:|---:|"]
         lines += [f"| {r['rows']} | {r['layout']} | {r['ms']} | {r['weight_mb']} | {r['gb_s']} |" for r in stack]
         lines += [""]
     return "\n".join(lines)

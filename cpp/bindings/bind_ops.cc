@@ -205,7 +205,8 @@ void bind_ops(py::module_& m) {
                    "out[r] = row ids[r] of the GGUF blocks [N, row_bytes] of ggml type `type`, as float32 [R, K].",
                    py::arg("out"), py::arg("blocks"), py::arg("type"), py::arg("ids"));
   def_op<kRelease>(m, "gguf_interleave", &ops::gguf_interleave,
-                   "out = the GGUF blocks [N, row_bytes] of ggml type `type` (N a multiple of 8) interleaved 8 rows at a time (cpp/ops/gguf_interleaved.h), same shape.",
+                   "out = the GGUF blocks [N, row_bytes] of ggml type `type` (N a multiple of 8) interleaved 8 rows "
+                   "at a time (cpp/ops/gguf_interleaved.h), same shape.",
                    py::arg("out"), py::arg("blocks"), py::arg("type"));
   m.def("gguf_interleaved_type", &ops::gguf_interleaved_type, py::arg("type"), py::arg("rows"),
         "The ggml type number of the interleaved layout of `type` where gguf_linear has a kernel for it on this "

@@ -37,10 +37,9 @@
 // Q4_K's code byte 32 p + j holds weight j of sub-block 2 p (low nibble) and
 // of 2 p + 1 (high), so code chunk 8 p + c serves weights 4c .. 4c + 3 of
 // both; its scale chunk c holds scale bytes 4c .. 4c + 3, row r in int32
-// lane r, which is what its kernel unpacks 8 rows at a time (Q6_K's
-// scales alike). Nothing is
-// decoded or rounded: the bytes are permuted, and deinterleave_groups undoes
-// it exactly.
+// lane r, which is what its kernel unpacks 8 rows at a time (Q6_K's scales
+// alike). Nothing is decoded or rounded: the bytes are permuted, and
+// deinterleave_groups undoes it exactly.
 //
 // Type numbers: an interleaved matrix carries its format's ggml type number
 // plus kInterleavedTypeFlag (Q4_1: 3 + 256), so the ops (gguf_ops.h) know
@@ -56,7 +55,7 @@ namespace pagedserve::ops::gguf {
 inline constexpr int kInterleavedRows = 8;
 inline constexpr int64_t kInterleavedTypeFlag = 256;
 
-// Their blocks' geometry, the one place the kernels and the permutation take it from: the float16
+// Every format's block geometry, the one place the kernels and the permutation take it from: the float16
 // scales (Q4_1: d and m; Q4_K: d and dmin; first in a block, Q6_K's d last), and the bytes moved 4 at
 // a time (the K-quants' scale bytes too), first in the interleaved block and then the rest.
 constexpr int scale_bytes(BlockType t) {
