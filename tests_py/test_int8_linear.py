@@ -93,6 +93,33 @@ def test_int8_linear_threads_bit_identical():
     assert all(torch.equal(r, results[0]) for r in results)
 
 
+def test_int8_linear_rows_bit_identical_in_any_batch_and_level():
+    """Each row's result is the row alone's at every batch size (AMX hosts switch from VNNI to tiles at 7
+    rows), and the same at every level from AVX2 up (exact integer sums, then vpdpbusd's float steps, FMA
+    included; the baseline level has no FMA)."""
+    from pagedserve import _core
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 576, generator=generator)
+    q = ops.quantize_int8_weight(torch.randn(200, 576, generator=generator))
+    before, by_level = _core.ops.cpu_isa(), {}
+    try:
+        for level in _core.ops.supported_cpu_isas():
+            _core.ops.set_cpu_isa(level)
+            alone = torch.empty(40, 200)
+            for row in range(40):
+                ops.int8_linear(alone[row:row + 1], x[row:row + 1], q)
+            for rows in (6, 7, 16, 40):
+                out = torch.empty(rows, 200)
+                ops.int8_linear(out, x[:rows], q)
+                assert torch.equal(out, alone[:rows]), (level, rows)
+            by_level[level] = alone
+    finally:
+        _core.ops.set_cpu_isa(before)
+    fma_levels = [level for level in by_level if level != "baseline"]
+    assert all(torch.equal(by_level[level], by_level[fma_levels[0]]) for level in fma_levels)
+
+
 def test_int8_linear_rejects_bad_arguments():
     q = ops.quantize_int8_weight(torch.randn(32, 64))
     with pytest.raises(ValueError, match="int8_linear: x must be float32 or bfloat16"):

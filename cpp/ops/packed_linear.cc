@@ -329,6 +329,8 @@ SplitRows split_rows(const LinearProblem& p, int64_t row_begin, int64_t row_end)
   _tile_zero(3);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t k0 = c * kPackedKChunk;
+    prefetch_weight_chunk(w0 + (c + kAmxPrefetchChunks) * kChunkWords);  // past the end: the next tile's
+    if (pair) prefetch_weight_chunk(w1 + (c + kAmxPrefetchChunks) * kChunkWords);
     _tile_loadd(6, w0 + c * kChunkWords, 64);
     if (pair) _tile_loadd(7, w1 + c * kChunkWords, 64);
     _tile_loadd(4, hi + k0, x_stride);

@@ -199,6 +199,10 @@ void tile_pair_dpbf16(const Bf16Problem& p, int64_t t, int64_t row_begin, int64_
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t c = 0; c < chunks; c += 2) {
+    for (int64_t ahead = c + kAmxPrefetchChunks; ahead < c + kAmxPrefetchChunks + 2; ++ahead) {
+      prefetch_weight_chunk(w0 + ahead * kChunkWords);  // past the tile's end: the next tile's (harmless)
+      if (pair) prefetch_weight_chunk(w1 + ahead * kChunkWords);
+    }
     _tile_loadd(6, w0 + c * kChunkWords, 64);
     if (pair) _tile_loadd(7, w1 + c * kChunkWords, 64);
     _tile_loadd(4, x + c * (kPackedKChunk / 2), x_stride);
