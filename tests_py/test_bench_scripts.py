@@ -47,7 +47,7 @@ SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py"
            "perf/dp_bench.py", "perf/window_kv_bench.py", "perf/step_overhead_bench.py", "perf/small_batch_linear_bench.py",
            "perf/gguf_bench.py", "perf/cpu_serving_bench.py", "perf/cpu_rss_breakdown.py", "perf/tp_bench.py",
            "perf/tp_comm_model.py", "perf/dp_engine_bench.py", "perf/cpu_weight_streaming.py",
-           "perf/cpu_step_profile.py",
+           "perf/cpu_step_profile.py", "perf/probes/cpu_decode_rounds.py", "perf/probes/tile_kernels_by_level.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/cpu_precision_agreement.py",
            "numerics/tp_agreement.py",
            "numerics/sdpa_numerics.py",
