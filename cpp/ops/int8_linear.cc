@@ -352,7 +352,10 @@ void int8_linear(const TensorView& out, const TensorView& x, const TensorView& p
 }
 
 std::string_view int8_linear_kernel() {
-  if (cpu_has_amx_int8()) return "amx_int8 (avx512_vnni below 7 rows)";
+  if (cpu_has_amx_int8()) {
+    static const std::string name = "amx_int8 (avx512_vnni below " + std::to_string(kAmxMinRows) + " rows)";
+    return name;
+  }
   if (cpu_has_avx512_vnni()) return "avx512_vnni";
   switch (cpu_isa()) {
     case CpuIsa::kAmx:
