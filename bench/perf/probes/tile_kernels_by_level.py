@@ -12,24 +12,11 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+from _cpu_linear_kernels import COLD_BYTES, SHAPES, _median_us  # noqa: E402
 from common.report import arg_parser, markdown_table, save  # noqa: E402
-
-SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576))
-COLD_BYTES = 256 << 20
-
-
-def median_us(fn, repeats: int = 8, min_seconds: float = 0.04) -> float:
-    fn()
-    samples, start = [], time.perf_counter()
-    while len(samples) < repeats or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
 
 
 def weights(n: int, k: int, generator, cold_bytes: int) -> dict:
@@ -91,7 +78,7 @@ def main() -> None:
                             def call(fn=fn, copies=copies):
                                 turn[0] += 1
                                 fn(out, x, copies[turn[0] % len(copies)])
-                            us.setdefault((kernel, name, rows, level), []).append(median_us(call))
+                            us.setdefault((kernel, name, rows, level), []).append(_median_us(call, 8, 0.04))
     finally:
         _core.ops.set_cpu_isa(before)
     results = [{"kernel": kernel, "shape": name, "rows": rows,
