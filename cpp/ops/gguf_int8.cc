@@ -52,7 +52,7 @@ namespace pagedserve::ops::gguf {
 
 #if PS_X86_MULTIVERSION
 #pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see packed_linear.cc)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see packed_linear_x86.inc)
 namespace {
 
 constexpr int kBlock = 32;  // elements per block of x and of every format here

@@ -114,7 +114,7 @@ void run_tiles_portable(const GgufProblem& p, int64_t tile_begin, int64_t tile_e
 
 #if PS_X86_MULTIVERSION
 #pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see packed_linear.cc)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see packed_linear_x86.inc)
 
 template <int kM>
 [[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE void dot_tile_avx512(const GgufProblem& p, const float* w,

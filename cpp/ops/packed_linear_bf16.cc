@@ -121,7 +121,7 @@ PS_ALWAYS_INLINE void tile_widened(const Bf16Problem& p, int64_t t, int64_t row_
 
 #if PS_X86_MULTIVERSION
 #pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see packed_linear.cc)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see packed_linear_x86.inc)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
 // out[row, tile t's valid columns] = acc + bias, as float32 or bf16 (nearest-even, NaN kept NaN).

@@ -105,7 +105,7 @@ PS_ALWAYS_INLINE void tile_portable(const Float64Problem& p, int64_t t, int64_t 
 
 #if PS_X86_MULTIVERSION
 #pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see packed_linear.cc)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see packed_linear_x86.inc)
 
 // The 16 float32 lanes of v as two vectors of 8 doubles (exact).
 [[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE void widen(__m512 v, __m512d& low, __m512d& high) {
