@@ -38,6 +38,7 @@ from pagedserve import _core
 from pagedserve.models import build_model
 from pagedserve.models.gguf_model_dir import gguf_model_dir
 from pagedserve.models.model_config import ModelConfig
+from pagedserve.testing.gguf_blocks import random_blocks
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=256, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0)
@@ -58,17 +59,9 @@ K_QUANT_TYPES = (T.Q4_K, T.Q5_K, T.Q6_K)
 
 def random_k_blocks(qtype: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """[n, row_bytes] random K-quant blocks whose weights stay below ~0.1 (float16 d and dmin of 1e-4..3e-4;
-    Q6_K's int8 scales times d 4e-4)."""
-    from gguf import GGML_QUANT_SIZES
-
-    elems, size = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(n, k // elems, size), dtype=np.uint8)
-    halves = (208,) if qtype == T.Q6_K else (0, 2)
-    for offset in halves:
-        scale = 4e-4 if qtype == T.Q6_K else 1e-4
-        values = rng.uniform(scale, 3 * scale, size=(n, k // elems)).astype(np.float16)
-        blocks[:, :, offset:offset + 2] = values[..., None].view(np.uint8)
-    return blocks.reshape(n, -1)
+    Q6_K's int8 scales times d 4e-4..1.2e-3)."""
+    scale = 4e-4 if qtype == T.Q6_K else 1e-4
+    return random_blocks(qtype.name, n, k, rng, scale, 3 * scale)
 
 
 def write_tiny_gguf(path: Path, hf_model, linear_types: dict[str, T], embed_type: T, output_type,

@@ -31,25 +31,17 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 from ops_testing import cpu_isa, torch_single_thread  # noqa: F401  (fixtures)
 
 from pagedserve import _core, ops
+from pagedserve.testing.gguf_blocks import QUANTIZABLE as QUANTIZABLE_NAMES, random_blocks
 
-QUANTIZABLE = [T.Q8_0, T.Q4_0, T.Q4_1]
+QUANTIZABLE = [T[name] for name in QUANTIZABLE_NAMES]  # the formats gguf.quants makes
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
 ALL_TYPES = QUANTIZABLE + K_QUANTS
 INT8_TYPES = ALL_TYPES  # the formats with an int8-activation kernel
-# Byte offsets of each K-quant block's float16 scales (gguf_blocks.h): d (and dmin).
-_HALF_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 
 
 def make_blocks(qtype: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """[n, row_bytes] uint8 blocks of type qtype for an [n, k] matrix."""
-    if qtype in QUANTIZABLE:
-        return quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
-    block_elems, block_bytes = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(n, k // block_elems, block_bytes), dtype=np.uint8)
-    for offset in _HALF_OFFSETS[qtype]:
-        scales = rng.uniform(-0.02, 0.02, size=(n, k // block_elems)).astype(np.float16)
-        blocks[:, :, offset:offset + 2] = scales[..., None].view(np.uint8)
-    return blocks.reshape(n, -1)
+    """[n, row_bytes] uint8 blocks of type qtype for an [n, k] matrix (K-quant scales in +-0.02)."""
+    return random_blocks(qtype.name, n, k, rng)
 
 
 def dequantized(blocks: np.ndarray, qtype: T) -> np.ndarray:

@@ -38,6 +38,7 @@ from common.gguf_layout import file_layout  # noqa: E402
 from common.report import arg_parser, save  # noqa: E402
 
 from pagedserve import ops  # noqa: E402
+from pagedserve.testing import gguf_blocks  # noqa: E402
 
 SHAPES = {"lm_head": (49152, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 FORMATS = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
@@ -58,19 +59,9 @@ def median_seconds(fn, repeats: int, warmup: int = 3) -> float:
 
 
 def random_blocks(type_name: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
-    """Valid blocks of the format (quantized from noise where the gguf package can, else random bytes with
-    small float16 scales: the kernel's speed does not depend on the values)."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
-
-    qtype = GGMLQuantizationType[type_name]
-    if type_name in ("Q4_0", "Q4_1", "Q8_0"):
-        return torch.from_numpy(quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype))
-    elems, nbytes = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
-    scales = np.full((n, k // elems, 1), 0.01, dtype=np.float16).view(np.uint8)
-    for offset in ((208,) if type_name == "Q6_K" else (0, 2)):
-        blocks[:, :, offset:offset + 2] = scales
-    return torch.from_numpy(blocks.reshape(n, -1))
+    """Valid blocks of the format (K-quants: random bytes with float16 scales of 0.01; the kernel's speed does
+    not depend on the values)."""
+    return torch.from_numpy(gguf_blocks.random_blocks(type_name, n, k, rng, 0.01, 0.01))
 
 
 def bench_kernels(formats: list[str], repeats: int) -> list[dict]:
