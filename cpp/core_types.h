@@ -9,6 +9,8 @@ namespace pagedserve {
 using BlockId = int32_t;
 // A token id of the model's vocabulary.
 using TokenId = int32_t;
+// A sampled token still on the device (Scheduler::advance); never a model input.
+inline constexpr TokenId kPendingToken = -1;
 // Scheduler-assigned, never reused within one Scheduler.
 using SeqId = int64_t;
 

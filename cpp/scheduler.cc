@@ -52,7 +52,9 @@ SeqId Scheduler::add_sequence(std::span<const TokenId> prompt, StopParams params
 }
 
 std::shared_ptr<const StepOutput> Scheduler::schedule() {
-  if (in_flight_) throw std::logic_error("schedule() called twice: call update() with the last step's tokens first");
+  if (in_flight_) {
+    throw std::logic_error("schedule() called twice: call update() with the last step's tokens (or advance()) first");
+  }
   auto out = std::make_shared<StepOutput>();
   int32_t budget = config_.max_num_batched_tokens;
   scheduled_.clear();
@@ -72,7 +74,7 @@ void Scheduler::schedule_decodes(StepOutput& out, int32_t& budget) {
   const std::vector<Sequence*> snapshot = running_;  // preemption edits running_
   for (Sequence* seq : snapshot) {
     if (budget == 0) break;
-    if (seq->status != SeqStatus::kRunning || seq->finished() || seq->scheduled || seq->num_pending() != 1) continue;
+    if (!schedulable(*seq) || seq->num_pending() != 1) continue;
     if (reserve_or_preempt(*seq, 1, out)) --budget;
   }
 }
@@ -81,7 +83,7 @@ void Scheduler::schedule_partial_prefills(StepOutput& out, int32_t& budget) {
   const std::vector<Sequence*> snapshot = running_;
   for (Sequence* seq : snapshot) {
     if (budget == 0) break;
-    if (seq->status != SeqStatus::kRunning || seq->finished() || seq->scheduled) continue;
+    if (!schedulable(*seq)) continue;
     const int32_t wanted = std::min(seq->num_pending(), budget);
     // Take what fits now; preempt only when not even one token fits.
     const int32_t fits = writable_tokens(*seq, wanted);
@@ -89,6 +91,10 @@ void Scheduler::schedule_partial_prefills(StepOutput& out, int32_t& budget) {
     const int32_t count = fits > 0 ? fits : std::min(wanted, bs - seq->num_computed_tokens % bs);
     if (reserve_or_preempt(*seq, count, out)) budget -= count;
   }
+}
+
+bool Scheduler::schedulable(const Sequence& seq) {
+  return seq.status == SeqStatus::kRunning && !seq.finished() && !seq.scheduled && !seq.ends_on_commit;
 }
 
 void Scheduler::admit_waiting(StepOutput& out, int32_t& budget) {
@@ -146,8 +152,10 @@ bool Scheduler::reserve_or_preempt(Sequence& seq, int32_t count, StepOutput& out
   while (!seq.table.prepare_write(begin, begin + count, out.block_copies)) {
     if (Sequence* victim = pick_victim(seq)) {
       preempt(*victim, out);
-    } else if (!scheduled_.empty()) {
-      preempt(seq, out);  // everyone else runs this step and seq is the latest admitted left
+    } else if (!scheduled_.empty() || seq.awaiting_sample >= 0) {
+      // Everyone else runs this step and seq is the latest admitted left; or its last token is
+      // still on the device, and admission after commit() finishes it with that token counted.
+      preempt(seq, out);
       return false;
     } else {
       finish_now(seq, FinishReason::kLength);  // alone with the whole pool and still no room
@@ -246,85 +254,6 @@ bool Scheduler::finish(SeqId id, FinishReason reason) {
   return true;
 }
 
-UpdateResult Scheduler::update(std::span<const TokenId> sampled) {
-  if (!in_flight_) throw std::logic_error("update() called without a scheduled step");
-  const std::shared_ptr<StepOutput> step = std::move(in_flight_);
-  if (sampled.size() != static_cast<size_t>(step->total_samples)) {
-    in_flight_ = step;  // let the caller retry with the right tokens
-    throw std::invalid_argument("update() got " + std::to_string(sampled.size()) + " sampled tokens, the step has " +
-                                std::to_string(step->total_samples));
-  }
-  auto live = [this](SeqId id) -> Sequence* {
-    auto it = sequences_.find(id);
-    return it == sequences_.end() || it->second->finished() ? nullptr : it->second.get();
-  };
-  for (int32_t s = 0; s < step->num_seqs; ++s) {
-    Sequence* seq = live(step->seq_ids[static_cast<size_t>(s)]);
-    if (!seq) continue;  // aborted since schedule()
-    seq->num_computed_tokens = step->seq_lens[static_cast<size_t>(s)];
-    seq->table.register_full_blocks(seq->tokens, seq->num_computed_tokens);
-    // Blocks wholly before the next query's window are never read again.
-    if (config_.sliding_window > 0) seq->table.drop_blocks_before(window_start(seq->num_computed_tokens));
-  }
-  UpdateResult result;
-  size_t offset = 0;
-  for (size_t r = 0; r < step->sample_rows.size(); ++r) {
-    const auto n = static_cast<size_t>(step->num_samples[r]);
-    const auto samples = sampled.subspan(offset, n);
-    offset += n;
-    Sequence* seq = live(step->seq_ids[static_cast<size_t>(step->sample_rows[r])]);
-    if (!seq) continue;
-    if (!seq->forked) fork_children(*seq, samples, result);
-    append_token(*seq, samples[0], result);
-  }
-  reap();
-  return result;
-}
-
-void Scheduler::fork_children(Sequence& parent, std::span<const TokenId> samples, UpdateResult& result) {
-  parent.forked = true;
-  for (size_t i = 1; i < samples.size(); ++i) {
-    StopParams params = parent.params;
-    params.n = 1;
-    const SeqId id = next_id_++;
-    auto child = std::make_unique<Sequence>(id, parent.tokens, std::move(params), pool_);
-    child->num_prompt_tokens = parent.num_prompt_tokens;
-    child->num_computed_tokens = parent.num_computed_tokens;
-    child->table = parent.table.fork();
-    child->forked = true;
-    child->status = SeqStatus::kRunning;
-    child->admit_order = ++next_admit_order_;
-    running_.push_back(child.get());
-    Sequence& ref = *child;
-    sequences_.emplace(id, std::move(child));
-    result.forks.push_back({parent.id, id, static_cast<int32_t>(i)});
-    append_token(ref, samples[i], result);
-  }
-}
-
-void Scheduler::append_token(Sequence& seq, TokenId token, UpdateResult& result) {
-  seq.tokens.push_back(token);
-  const StopParams& p = seq.params;
-  FinishReason reason = FinishReason::kNone;
-  TokenId stop_token = -1;
-  if (seq.num_generated() >= p.min_tokens) {
-    const auto& eos = config_.eos_token_ids;
-    const bool is_eos = !p.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end();
-    const bool is_stop = std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) != p.stop_token_ids.end();
-    if (is_eos || is_stop) {
-      reason = FinishReason::kStop;
-      stop_token = token;
-    }
-  }
-  if (reason == FinishReason::kNone &&
-      (seq.num_generated() >= p.max_tokens || seq.num_tokens() >= config_.max_model_len)) {
-    reason = FinishReason::kLength;
-  }
-  if (reason == FinishReason::kNone) return;
-  finish_now(seq, reason);
-  result.finished.push_back({seq.id, reason, stop_token});
-}
-
 void Scheduler::build_arrays(StepOutput& out) {
   // Decode-shaped rows (one token) first, so kernels can split the batch.
   std::stable_partition(scheduled_.begin(), scheduled_.end(), [](const auto& row) { return row.second == 1; });
@@ -354,7 +283,12 @@ void Scheduler::build_arrays(StepOutput& out) {
     const int32_t end = begin + count;
     out.seq_ids.push_back(seq->id);
     for (int32_t pos = begin; pos < end; ++pos) {
-      out.input_ids.push_back(seq->tokens[static_cast<size_t>(pos)]);
+      const TokenId token = seq->tokens[static_cast<size_t>(pos)];
+      if (token == kPendingToken) {  // only ever the last token, of an advanced sampling row
+        out.deferred_tokens.push_back(static_cast<int32_t>(out.input_ids.size()));
+        out.deferred_samples.push_back(seq->awaiting_sample);
+      }
+      out.input_ids.push_back(token == kPendingToken ? 0 : token);
       out.positions.push_back(pos);
       out.slot_mapping.push_back(seq->table.slot(pos));
     }

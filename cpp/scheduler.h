@@ -28,7 +28,22 @@
 // and a preempted sequence recomputes from position 0 as usual.
 //
 // Between schedule() and the next schedule(), update() must receive the
-// step's sampled tokens (none for a step that samples nothing).
+// step's sampled tokens (none for a step that samples nothing), or advance()
+// must stand in for them:
+//
+// Run-ahead (the engine's async scheduling): advance() records the step as
+// computed and gives each sampling row a placeholder token (kPendingToken),
+// so the next schedule() can run before the sampled tokens reach the host;
+// its StepOutput names the inputs still on the device (deferred_tokens /
+// deferred_samples). commit() then writes the real tokens and applies every
+// stopping rule, exactly as update() would have; it must come before the
+// next advance() or update(). A row whose placeholder reaches max_tokens or
+// max_model_len is not scheduled again; one that commit() finishes on EOS or
+// a stop token ran one extra row, whose token nobody receives (its KV lands
+// in blocks commit() already released, before any later step can reuse them
+// on the device's stream order).
+//
+//   schedule() -> advance() -> schedule() -> commit(t) -> advance() -> ...
 #pragma once
 
 #include <cstdint>
@@ -79,7 +94,7 @@ class Scheduler {
                      uint64_t cache_salt = 0);
 
   // Builds the next step. Throws std::logic_error if the previous step's
-  // update() has not been called.
+  // update() (or advance()) has not been called.
   std::shared_ptr<const StepOutput> schedule();
 
   // Appends the sampled tokens (StepOutput::total_samples of them, in
@@ -87,6 +102,13 @@ class Scheduler {
   // token ids, max_tokens and max_model_len, and registers newly full blocks
   // with the prefix cache.
   UpdateResult update(std::span<const TokenId> sampled);
+
+  // Run-ahead (see above). advance() takes the scheduled step without its tokens; every
+  // sampling row must draw one sample (no n > 1 prompt about to fork). Throws
+  // std::logic_error out of order. commit() takes the advanced step's tokens (total_samples).
+  void advance();
+  UpdateResult commit(std::span<const TokenId> sampled);
+  bool has_advanced() const { return advanced_ != nullptr; }
 
   // Finish a waiting or running sequence now and release its blocks
   // (abort: kAbort; a stop string found by the caller: kStop). Returns false if
@@ -125,7 +147,15 @@ class Scheduler {
   // Releases seq's blocks; reap() removes it from every container.
   void finish_now(Sequence& seq, FinishReason reason);
   void reap();
+  // The step's rows have computed their tokens: num_computed_tokens, prefix-cache
+  // registration and window drops (update() and advance()).
+  void mark_computed(const StepOutput& step);
+  Sequence* live(SeqId id);  // nullptr once finished (aborted since schedule())
   void append_token(Sequence& seq, TokenId token, UpdateResult& result);
+  // Applies EOS, stop token ids, max_tokens and max_model_len to seq's last token.
+  void check_stop(Sequence& seq, TokenId token, UpdateResult& result);
+  // Running and not yet in this step, nor awaiting a commit that ends it.
+  static bool schedulable(const Sequence& seq);
   void fork_children(Sequence& parent, std::span<const TokenId> samples, UpdateResult& result);
   void build_arrays(StepOutput& out);
 
@@ -137,6 +167,7 @@ class Scheduler {
   std::vector<std::pair<Sequence*, int32_t>> scheduled_;  // rows of the step being built, with token counts
   std::vector<SeqId> finished_ids_;                        // finished, not yet reaped
   std::shared_ptr<StepOutput> in_flight_;
+  std::shared_ptr<StepOutput> advanced_;  // advance()d, its tokens not yet committed
   SeqId next_id_ = 0;
   uint64_t next_admit_order_ = 0;
   int64_t num_preemptions_ = 0;

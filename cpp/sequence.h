@@ -56,6 +56,10 @@ struct Sequence {
   bool forked = false;       // the n > 1 fork has happened (or n == 1)
   bool use_prefix_cache = true;  // false: admission never adopts cached blocks (its KV is computed anew)
   bool scheduled = false;    // part of the step being built
+  // Run-ahead (Scheduler::advance): the last token is kPendingToken, standing for sample
+  // `awaiting_sample` of the advanced step until commit() writes it; -1 otherwise.
+  int32_t awaiting_sample = -1;
+  bool ends_on_commit = false;  // that token reaches max_tokens or max_model_len: not scheduled again
   int32_t num_preemptions = 0;
 };
 

@@ -55,6 +55,11 @@ struct StepOutput {
   std::vector<int32_t> num_samples;         // [num_sample_rows] n for a prompt about to fork, else 1
   int32_t total_samples = 0;                // update() expects this many sampled tokens
 
+  // Tokens still on the device (the advanced step's samples, Scheduler::advance): input_ids holds 0
+  // at token deferred_tokens[i]; the runner puts sample deferred_samples[i] of that step there.
+  std::vector<int32_t> deferred_tokens;     // [num_deferred] index into tokens
+  std::vector<int32_t> deferred_samples;    // [num_deferred] index into the advanced step's samples
+
   std::vector<BlockCopy> block_copies;      // apply before the forward, in order
   // Finished by schedule() without running: can never fit (kRejected), or
   // outgrew the whole pool while running alone (kLength).
@@ -64,7 +69,7 @@ struct StepOutput {
   int32_t num_prefill_tokens() const { return num_tokens - num_decodes; }
 };
 
-// What update() did with the sampled tokens.
+// What update() (or commit()) did with the sampled tokens.
 struct UpdateResult {
   std::vector<FinishedSeq> finished;
   std::vector<ForkedSeq> forks;

@@ -13,6 +13,7 @@
 # with the call; it gets this build's extension. Interleaved rounds of $AB_CASES: tiny (TinyLlama shape at 1 and 64
 # concurrent, the model's max_model_len), tiny_short (at 1, max_model_len 190), smol (SmolLM2 shape at 64, its
 # max_model_len), long (the long workload), json (structured_bench.py at 64 requests). For changes to python/ only.)
+# (opt_ab on request: an engine option's values on this build, $AB_OPTION=$AB_VALUES, interleaved rounds of $AB_CASES)
 # (cpu_host on request: the CPU kernels and CPU serving bench on the host's CPU, pinned to 2 cores; with the
 # model wheel also gguf_bench)
 # Several GPUs (nvidia-h200-x2, on request): tp_tests (NCCL TP = 2 vs 1, faults; tp_server: the same through the
@@ -60,6 +61,26 @@ if ls -d .model_wheel_[12] >/dev/null 2>&1; then  # the wheel's halves, one a ca
 fi
 [ -f "$wheel" ] && export PAGEDSERVE_SMOLLM2_WHEEL=$wheel
 export PAGEDSERVE_CACHE_DIR=${PAGEDSERVE_CACHE_DIR:-/root/.cache/pagedserve}
+
+ab_case() {  # name, case, env [VAR=value ...] [--option key=value]: one A/B run of a bench case, summarized
+  local name=$1 case=$2; shift 3
+  local envs=() extra=()
+  while [ $# -gt 0 ]; do
+    case $1 in --option) extra+=(--option "$2"); shift 2 ;; *) envs+=("$1"); shift ;; esac
+  done
+  local cmd
+  case $case in
+    tiny) cmd=(bench/perf/throughput.py --device cuda --shape tinyllama-1.1b --no-hf --concurrency 1 64 --max-model-len 0) ;;
+    tiny_short) cmd=(bench/perf/throughput.py --device cuda --shape tinyllama-1.1b --no-hf --concurrency 1) ;;
+    smol) cmd=(bench/perf/throughput.py --device cuda --shape smollm2-135m --no-hf --concurrency 64 --max-model-len 0) ;;
+    long) cmd=(bench/perf/long_workload.py --device cuda --shape qwen3-0.6b) ;;
+    json) cmd=(bench/perf/structured_bench.py --device cuda --num-requests 64) ;;  # needs the model wheel
+    *) note "ab: unknown case $case"; return ;;
+  esac
+  case $case in long|json) ;; *) cmd+=(--name "$name") ;; esac
+  run_stage "$name" env "${envs[@]}" python3 "${cmd[@]}" "${extra[@]}" --out "$RUN/$name"
+  grep -hE '^\| (pagedserve|qwen3|unconstrained|json|tools)' "$RUN/$name"/*.md | sed "s/^/$name /" | tee -a "$SUMMARY"
+}
 
 for stage in "${STAGES[@]}"; do
   case $stage in
@@ -138,20 +159,16 @@ for stage in "${STAGES[@]}"; do
           [ "$variant" = old ] && pp=$old${PYTHONPATH:+:$PYTHONPATH}
           note "py_ab $variant: $(PYTHONPATH=$pp python3 -c 'import pagedserve; print(pagedserve.__file__)')"
           for case in ${AB_CASES:-tiny smol long}; do
-            name=ab_${case}_${variant}_r$round
-            case $case in
-              tiny) cmd=(bench/perf/throughput.py --device cuda --shape tinyllama-1.1b --no-hf --concurrency 1 64
-                         --max-model-len 0) ;;
-              tiny_short) cmd=(bench/perf/throughput.py --device cuda --shape tinyllama-1.1b --no-hf --concurrency 1) ;;
-              smol) cmd=(bench/perf/throughput.py --device cuda --shape smollm2-135m --no-hf --concurrency 64
-                         --max-model-len 0) ;;
-              long) cmd=(bench/perf/long_workload.py --device cuda --shape qwen3-0.6b) ;;
-              json) cmd=(bench/perf/structured_bench.py --device cuda --num-requests 64) ;;  # needs the model wheel
-              *) note "py_ab: unknown case $case"; continue ;;
-            esac
-            case $case in long|json) ;; *) cmd+=(--name "$name") ;; esac
-            run_stage "$name" env PYTHONPATH="$pp" python3 "${cmd[@]}" --out "$RUN/$name"
-            grep -hE '^\| (pagedserve|qwen3|unconstrained|json|tools)' "$RUN/$name"/*.md | sed "s/^/$name /" | tee -a "$SUMMARY"
+            ab_case "ab_${case}_${variant}_r$round" "$case" env PYTHONPATH="$pp"
+          done
+        done
+      done ;;
+    opt_ab)  # one engine option's values, interleaved rounds of $AB_CASES (as py_ab), on this build and tree:
+             # AB_OPTION=async_scheduling AB_VALUES="off on" (json: structured_bench takes no options)
+      for round in $(seq "${AB_ROUNDS:-2}"); do
+        for value in ${AB_VALUES:-off on}; do
+          for case in ${AB_CASES:-tiny smol long}; do
+            ab_case "ab_${case}_${AB_OPTION}_${value}_r$round" "$case" env --option "$AB_OPTION=$value"
           done
         done
       done ;;

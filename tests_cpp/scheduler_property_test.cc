@@ -11,6 +11,9 @@
 // double-freed, and the pool is all free once every sequence is gone.
 // With a sliding window, rows read only their first query's window, and a
 // running sequence holds no block wholly before its next query's window.
+// Run-ahead (advance / commit): the next step is scheduled before the last
+// one's tokens are committed; its forward runs after the commit, as on the
+// device, with the deferred inputs taken from those tokens.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,7 +34,8 @@ constexpr int64_t kEmptySlot = -1;
 // so a change that makes the random driver vacuous fails.
 struct Coverage {
   int64_t steps = 0, tokens = 0, preemptions = 0, copies = 0, prefix_hit_blocks = 0, rejected = 0, forks = 0,
-          in_flight_aborts = 0, finished = 0, dropped_blocks = 0, longer_than_pool = 0;
+          in_flight_aborts = 0, finished = 0, dropped_blocks = 0, longer_than_pool = 0, advanced = 0,
+          deferred_inputs = 0, dead_rows = 0;
 };
 
 struct ModelSeq {
@@ -42,8 +46,8 @@ struct ModelSeq {
 
 class PropertyHarness {
  public:
-  PropertyHarness(std::mt19937_64& rng, Coverage& coverage, bool sliding_window = false)
-      : rng_(rng), coverage_(coverage) {
+  PropertyHarness(std::mt19937_64& rng, Coverage& coverage, bool sliding_window = false, bool run_ahead = false)
+      : rng_(rng), coverage_(coverage), run_ahead_(run_ahead) {
     config_.num_blocks = pick(4, 40);
     config_.block_size = std::vector<int32_t>{1, 2, 4, 8}[static_cast<size_t>(pick(0, 3))];
     config_.max_num_seqs = pick(1, 8);
@@ -118,7 +122,19 @@ class PropertyHarness {
     if (idle_with_waiting) {
       ASSERT_TRUE(out->num_seqs > 0 || !out->rejected.empty()) << "waiting requests with nothing running: stall";
     }
-    simulate_forward(*out);
+    // On the device the last step's tokens exist before this forward reads them.
+    const std::vector<TokenId> last_sampled = advanced_sampled_;
+    commit_advanced();
+    if (::testing::Test::HasFatalFailure()) return;
+    std::vector<TokenId> input_ids = out->input_ids;
+    ASSERT_EQ(out->deferred_tokens.size(), out->deferred_samples.size());
+    for (size_t i = 0; i < out->deferred_tokens.size(); ++i) {
+      const auto token = static_cast<size_t>(out->deferred_tokens[i]);
+      ASSERT_EQ(input_ids[token], 0);
+      input_ids[token] = last_sampled.at(static_cast<size_t>(out->deferred_samples[i]));
+      ++coverage_.deferred_inputs;
+    }
+    simulate_forward(*out, input_ids);
     ++coverage_.steps;
     coverage_.tokens += out->num_tokens;
     coverage_.preemptions += static_cast<int64_t>(out->preempted.size());
@@ -134,14 +150,31 @@ class PropertyHarness {
     }
     std::vector<TokenId> sampled(static_cast<size_t>(out->total_samples));
     for (auto& t : sampled) t = pick(0, 5) == 0 ? kEos : pick(3, 8);
+    if (run_ahead_ && out->total_samples == static_cast<int32_t>(out->sample_rows.size()) && pick(0, 3) != 0) {
+      scheduler_->advance();  // the next schedule() comes before these tokens are committed
+      advanced_ = out;
+      advanced_sampled_ = sampled;
+      ++coverage_.advanced;
+      return;
+    }
     const UpdateResult result = scheduler_->update(sampled);
     coverage_.forks += static_cast<int64_t>(result.forks.size());
     coverage_.finished += static_cast<int64_t>(result.finished.size());
     apply_to_model(*out, sampled, result);
   }
 
+  void commit_advanced() {
+    if (!advanced_) return;
+    const auto step = std::move(advanced_);
+    const UpdateResult result = scheduler_->commit(advanced_sampled_);
+    ASSERT_TRUE(result.forks.empty());
+    coverage_.finished += static_cast<int64_t>(result.finished.size());
+    apply_to_model(*step, advanced_sampled_, result);
+    advanced_sampled_.clear();
+  }
+
   // What the runner does: copies, then writes, then every row reads its context.
-  void simulate_forward(const StepOutput& out) {
+  void simulate_forward(const StepOutput& out, const std::vector<TokenId>& input_ids) {
     std::set<BlockId> copy_dsts, copy_srcs;
     for (const BlockCopy& c : out.block_copies) {
       ASSERT_TRUE(copy_dsts.insert(c.dst).second) << "two copies into block " << c.dst;
@@ -157,19 +190,29 @@ class PropertyHarness {
     for (int32_t i = 0; i < out.num_tokens; ++i) {
       const int32_t slot = out.slot_mapping[static_cast<size_t>(i)];
       ASSERT_TRUE(written.insert(slot).second) << "two tokens write slot " << slot;
-      ASSERT_EQ(scheduler_->pool().refcount(slot / config_.block_size), 1) << "write into a shared block";
-      kv_[static_cast<size_t>(slot)] = encode(out.positions[static_cast<size_t>(i)], out.input_ids[static_cast<size_t>(i)]);
+      kv_[static_cast<size_t>(slot)] = encode(out.positions[static_cast<size_t>(i)], input_ids[static_cast<size_t>(i)]);
     }
     for (int32_t r = 0; r < out.num_seqs; ++r) {
-      const ModelSeq& seq = model_.at(out.seq_ids[static_cast<size_t>(r)]);
+      const auto it = model_.find(out.seq_ids[static_cast<size_t>(r)]);
       const int32_t begin = out.query_start_loc[static_cast<size_t>(r)];
       const int32_t end = out.query_start_loc[static_cast<size_t>(r) + 1];
+      for (int32_t i = begin; i < end; ++i) {
+        // Its own block; or, for a row whose sequence commit() finished after schedule(), a released
+        // block nobody can take before this forward has run (the next schedule() comes after it).
+        const int32_t refs = scheduler_->pool().refcount(out.slot_mapping[static_cast<size_t>(i)] / config_.block_size);
+        ASSERT_EQ(refs, it == model_.end() ? 0 : 1) << "write into a shared or foreign block";
+      }
+      if (it == model_.end()) {
+        ++coverage_.dead_rows;
+        continue;
+      }
+      const ModelSeq& seq = it->second;
       const int32_t seq_len = out.seq_lens[static_cast<size_t>(r)];
       ASSERT_LE(seq_len, static_cast<int32_t>(seq.tokens.size()));
       ASSERT_EQ(r < out.num_decodes, end - begin == 1);
       for (int32_t i = begin; i < end; ++i) {
         ASSERT_EQ(out.positions[static_cast<size_t>(i)], seq_len - (end - i));
-        ASSERT_EQ(out.input_ids[static_cast<size_t>(i)], seq.tokens[static_cast<size_t>(out.positions[static_cast<size_t>(i)])]);
+        ASSERT_EQ(input_ids[static_cast<size_t>(i)], seq.tokens[static_cast<size_t>(out.positions[static_cast<size_t>(i)])]);
       }
       // What paged attention reads: from the first query's window start on.
       for (int32_t pos = window_start(seq_len - (end - begin)); pos < seq_len; ++pos) {
@@ -280,12 +323,17 @@ class PropertyHarness {
       step();
       check_accounting();
     }
+    commit_advanced();  // a step whose every row was aborted
+    ASSERT_FALSE(scheduler_->has_advanced());
     ASSERT_EQ(scheduler_->pool().num_free(), config_.num_blocks) << "blocks leaked";
     ASSERT_EQ(scheduler_->pool().total_refs(), 0);
   }
 
   std::mt19937_64& rng_;
   Coverage& coverage_;
+  bool run_ahead_;
+  std::shared_ptr<const StepOutput> advanced_;  // advance()d, committed at the next step
+  std::vector<TokenId> advanced_sampled_;
   SchedulerConfig config_;
   std::unique_ptr<Scheduler> scheduler_;
   std::vector<int64_t> kv_;
@@ -343,6 +391,31 @@ TEST(SchedulerProperty, HundredThousandRandomOperationsKeepEveryInvariant) {
   EXPECT_GT(coverage.forks, 500);
   EXPECT_GT(coverage.in_flight_aborts, 500);
   EXPECT_GT(coverage.finished, 5000);
+}
+
+TEST(SchedulerProperty, RunAheadKeepsEveryInvariant) {
+  std::mt19937_64 rng(20261128);
+  Coverage coverage;
+  for (int scenario = 0; scenario < 60; ++scenario) {
+    SCOPED_TRACE("scenario " + std::to_string(scenario));
+    {
+      PropertyHarness harness(rng, coverage, /*sliding_window=*/scenario % 3 == 0, /*run_ahead=*/true);
+      harness.run(1000);
+    }
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+  std::printf("steps %lld, advanced %lld, deferred inputs %lld, rows finished before their forward %lld, "
+              "preemptions %lld, forks %lld, in-flight aborts %lld\n",
+              static_cast<long long>(coverage.steps), static_cast<long long>(coverage.advanced),
+              static_cast<long long>(coverage.deferred_inputs), static_cast<long long>(coverage.dead_rows),
+              static_cast<long long>(coverage.preemptions), static_cast<long long>(coverage.forks),
+              static_cast<long long>(coverage.in_flight_aborts));
+  EXPECT_GT(coverage.advanced, 5000);
+  EXPECT_GT(coverage.deferred_inputs, 5000);
+  EXPECT_GT(coverage.dead_rows, 500);
+  EXPECT_GT(coverage.preemptions, 100);
+  EXPECT_GT(coverage.forks, 100);
+  EXPECT_GT(coverage.in_flight_aborts, 100);
 }
 
 }  // namespace

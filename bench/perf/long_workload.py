@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.report import markdown_table, save  # noqa: E402
+from common.report import add_engine_options, engine_options, markdown_table, save  # noqa: E402
 from common.model_shapes import shape_dir  # noqa: E402
 
 
@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="CPU sizes: 16 requests of 16..64 tokens")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--out", type=Path, default=None)
+    add_engine_options(ap)
     args = ap.parse_args()
     for key, full, quick in (("num_requests", 256, 16), ("min_len", 100, 16), ("max_len", 1024, 64)):
         if getattr(args, key) is None:  # explicit sizes win over --quick
@@ -47,7 +48,8 @@ def main() -> None:
         model_dir, load_format, label = shape_dir(args.shape), "dummy", args.shape
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     llm = LLM(str(model_dir), dtype=dtype, device=args.device, load_format=load_format,
-              max_model_len=2 * args.max_len + 16, max_num_seqs=min(256, args.num_requests), seed=args.seed)
+              max_model_len=2 * args.max_len + 16, max_num_seqs=min(256, args.num_requests), seed=args.seed,
+              **engine_options(args.option))
     vocab = llm.llm_engine.model_config.vocab_size
     rng = np.random.default_rng(args.seed)
     prompt_lens = rng.integers(args.min_len, args.max_len + 1, size=args.num_requests)

@@ -131,6 +131,8 @@ void bind_scheduler(py::module_& m) {
       .def_property_readonly("sample_rows", &step_array<&StepOutput::sample_rows>)
       .def_property_readonly("logits_indices", &step_array<&StepOutput::logits_indices>)
       .def_property_readonly("num_samples", &step_array<&StepOutput::num_samples>)
+      .def_property_readonly("deferred_tokens", &step_array<&StepOutput::deferred_tokens>)
+      .def_property_readonly("deferred_samples", &step_array<&StepOutput::deferred_samples>)
       .def_property_readonly("block_tables",
                              [](py::object self) {
                                const auto& s = self.cast<const StepOutput&>();
@@ -169,6 +171,15 @@ void bind_scheduler(py::module_& m) {
             return s.update(as_tokens(sampled));
           },
           py::arg("sampled_token_ids"))
+      .def("advance", &Scheduler::advance,
+           "Takes the scheduled step as computed, its sampled tokens still to come (run-ahead).")
+      .def(
+          "commit",
+          [](Scheduler& s, const py::array_t<TokenId, py::array::c_style | py::array::forcecast>& sampled) {
+            return s.commit(as_tokens(sampled));
+          },
+          py::arg("sampled_token_ids"), "The advanced step's sampled tokens: what update() would have done.")
+      .def_property_readonly("has_advanced", &Scheduler::has_advanced)
       .def("abort", &Scheduler::abort, py::arg("seq_id"))
       .def("finish", &Scheduler::finish, py::arg("seq_id"), py::arg("reason") = FinishReason::kStop)
       .def("has_unfinished", &Scheduler::has_unfinished)

@@ -55,6 +55,11 @@ class EngineConfig:
     batch_invariant: bool = _knob(False, "CUDA: a request's tokens and logprobs bit-identical whatever else runs in "
                                          "its batch (matrix products in fixed 128-row slices, a fixed decode split; "
                                          "models/batch_invariant.py). The CPU always is")
+    async_scheduling: str = _knob("auto", "schedule step N+1 and queue its forward before step N's tokens reach the "
+                                          "host, so the device does not wait for the host between steps (same tokens "
+                                          "and logprobs; a step whose sampling reads its rows' own output, as "
+                                          "penalties, grammars and min_tokens do, waits as before); auto: on with "
+                                          "CUDA and one process", choices=("auto", "on", "off"))
     cpu_fused_layers: bool = _knob(True, "CPU, packed weights: run every decoder layer of a step as one C++ call "
                                          "(the same ops, bit-identical results, less Python per step)")
     cpu_weight_dtype: str = _knob("auto", "CPU, float32 models: store linear weights as bf16 tiles (auto: when that "
@@ -124,8 +129,8 @@ def resolve_cpu_precision(config: EngineConfig, device_type: str, checkpoint_is_
 def resolve_defaults(config: EngineConfig, device_type: str, max_position_embeddings: int,
                      checkpoint_is_bf16: bool = False) -> EngineConfig:
     """The config with every device-dependent default decided (the one place that decides them):
-    max_num_seqs, the token budget, max_model_len (before the KV plan may lower it), the CPU KV budget and
-    cpu_precision ("float32" or "bfloat16" from here on)."""
+    max_num_seqs, the token budget, max_model_len (before the KV plan may lower it), the CPU KV budget,
+    cpu_precision ("float32" or "bfloat16" from here on) and async_scheduling ("on" or "off")."""
     cuda = device_type == "cuda"
     if config.quantization != "none" and cuda:
         raise ValueError(f"quantization {config.quantization!r} runs on the CPU only; use --device cpu or "
@@ -137,7 +142,20 @@ def resolve_defaults(config: EngineConfig, device_type: str, max_position_embedd
         kv_gb = CPU_KV_CACHE_GB
     return replace(config, device=device_type, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                    max_model_len=config.max_model_len or max_position_embeddings, kv_cache_memory_gb=kv_gb,
-                   cpu_precision=resolve_cpu_precision(config, device_type, checkpoint_is_bf16))
+                   cpu_precision=resolve_cpu_precision(config, device_type, checkpoint_is_bf16),
+                   async_scheduling=resolve_async_scheduling(config, device_type))
+
+
+def resolve_async_scheduling(config: EngineConfig, device_type: str) -> str:
+    """"on" or "off". The ranks of a tensor-parallel group get their input ids from the driver, not from
+    samples left on their own devices, so run-ahead needs one process; on a CPU the forward runs in the
+    caller's thread and there is nothing to overlap, so auto leaves it off there."""
+    if config.async_scheduling == "on" and config.tensor_parallel_size > 1:
+        raise ValueError(f"async_scheduling 'on' needs one process; tensor_parallel_size is "
+                         f"{config.tensor_parallel_size} (use auto or off)")
+    if config.async_scheduling != "auto":
+        return config.async_scheduling
+    return "on" if device_type == "cuda" and config.tensor_parallel_size == 1 else "off"
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -112,7 +112,9 @@ class DriverWorker:
             threading.Thread(target=_watch_ranks, args=(ranks, self._state, worker), name="pagedserve-rank-watch",
                              daemon=True).start()
 
-    def execute_async(self, step, rows, grammar=None, prompt_plan=None):
+    def execute_async(self, step, rows, grammar=None, prompt_plan=None, last_ids=None):
+        if last_ids is not None:  # engine_config.resolve_async_scheduling keeps run-ahead to one process
+            raise ValueError("a tensor-parallel group takes every input id from the driver; it cannot run ahead")
         self.check_health()
         try:
             self.channel.send_step(step, prompt_plan)

@@ -17,6 +17,15 @@ is queued (the sampling rows, penalties and grammars that read them come
 next), so a decode forward follows the last with only update, schedule and
 the input copy between them. So text and outputs trail the tokens by one
 step; engine/sequences.py says how and why every sequence finishes.
+
+Run-ahead (async_scheduling on): where no row's next draw reads its latest
+token (Request.samples_ahead), the step is advanced (C++) instead of waited
+for, and the next step is scheduled and queued first, its decode inputs taken
+from the samples still on the device; then the advanced step's tokens are
+committed (C++: EOS, stop ids, max_tokens as update() applies them) and
+recorded while the device runs the new step. The device then never waits for
+the host between steps; a row whose sequence the commit finishes ran once more,
+and its token is dropped. Tokens and logprobs are the same either way.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from pagedserve.engine.info import EngineInfo
 from pagedserve.engine.prompt_logprobs import PromptLogprobs
 from pagedserve.engine.request import Request
 from pagedserve.engine.sequences import REJECTED_ERROR, Sequences
+from pagedserve.engine.token_recorder import TokenRecorder
 from pagedserve.engine.snapshot import engine_snapshot
 from pagedserve.engine.tokenizer import (PromptType, bad_words_token_ids, eos_token_ids, load_tokenizer,
                                          prompt_token_ids)
@@ -43,7 +53,7 @@ from pagedserve.engine_config import EngineConfig, resolve_defaults
 from pagedserve.errors import RequestError
 from pagedserve.models.default_model import model_path
 from pagedserve.models.model_config import ModelConfig, check_device_usable, resolve_device
-from pagedserve.outputs import Logprob, RequestOutput, logprob_entry
+from pagedserve.outputs import RequestOutput
 from pagedserve.sample.sampler import SamplerOutput
 from pagedserve.sample.sampling_tensors import SamplingRow
 from pagedserve.sampling_params import DEFAULT_SAMPLING, SamplingParams
@@ -84,14 +94,17 @@ class LLMEngine:
         self._model_dir = model_dir
         self.requests: dict[str, Request] = {}
         self._sequences = Sequences(self.scheduler)
-        self._untexted: dict[str, Request] = {}  # requests with tokens or finishes not yet turned into outputs
         self._unscheduled: dict[int, Request] = {}  # first sequence of requests not yet scheduled
         self._unrecorded: Optional[tuple] = None  # the last step's tokens, until the next launch records them
-        self._prompt_logprobs = PromptLogprobs(self._logprob_entry)  # SamplingParams.prompt_logprobs
+        self._run_ahead = self.config.async_scheduling == "on"
+        self._advanced: Optional[tuple] = None  # (step, PendingSamples) advanced, its tokens not committed
         self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
+        self.num_steps_run_ahead = 0
         self.grammars = Grammars(model_dir, self.model_config.vocab_size, self.eos_token_ids,  # structured outputs
                                  self.config.max_num_seqs, pin_memory=self.worker.device.type == "cuda")
+        self._recorder = TokenRecorder(self._sequences, self.grammars, self.requests, self.tokenizer,
+                                       self.worker.sampler.generator_for)
+        self._prompt_logprobs = PromptLogprobs(self._recorder.logprob_entry)  # SamplingParams.prompt_logprobs
 
     def info(self) -> EngineInfo:
         return EngineInfo(model_name=self._model_dir.name, model_path=self._model_dir, device=str(self.worker.device),
@@ -137,10 +150,11 @@ class LLMEngine:
         """Drops requests; their KV blocks return to the pool at once. Returns the outputs that end
         the ones still unfinished (finish_reason "abort"); step() hands back nothing more for them."""
         finals = []
+        self._commit_advanced()
         self._record_last_step()  # the tokens sampled last belong in the final outputs
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
             request = self.requests.pop(rid, None)
-            self._untexted.pop(rid, None)
+            self._recorder.forget(rid)
             if request is None:
                 continue
             for sample in request.samples:
@@ -165,27 +179,59 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._note_schedule(out)
         pending = self._launch(out) if out.num_seqs else None
+        self._commit_advanced()  # the last step's tokens, while the device runs this one
         self._record_last_step()  # if the launch did not
-        outputs = self._emit_outputs()  # overlaps the device's work on this step
-        sampled = pending.result() if pending is not None else _NO_SAMPLES
-        self._prompt_logprobs.record(pending)
-        result = self.scheduler.update(np.asarray(sampled.token_ids, dtype=np.int32))
-        self._unrecorded = (out, sampled, result, time.monotonic())
+        outputs = self._recorder.emit()  # overlaps the device's work on this step
+        if pending is not None and self._may_run_ahead(out, pending):
+            self.scheduler.advance()
+            self._advanced = (out, pending)
+            self.num_steps_run_ahead += 1
+        else:
+            sampled = pending.result() if pending is not None else _NO_SAMPLES
+            self._prompt_logprobs.record(pending)
+            result = self.scheduler.update(np.asarray(sampled.token_ids, dtype=np.int32))
+            self._unrecorded = (out, sampled, result, time.monotonic())
+        if not self.scheduler.has_unfinished():  # every advanced row was stopped or aborted meanwhile
+            self._commit_advanced()
         if not self.scheduler.has_unfinished():
             self._record_last_step()
-            outputs += self._emit_outputs()  # nothing left to overlap with
+            outputs += self._recorder.emit()  # nothing left to overlap with
         return outputs
+
+    def _may_run_ahead(self, out, pending) -> bool:
+        """Whether the next step may be scheduled before this one's tokens reach the host: run-ahead is on,
+        no prompt forks here (update() makes the children), the samples stay as drawn on the device, and no
+        row's next draw reads the token it draws now."""
+        if not self._run_ahead or pending.device_ids is None or out.total_samples != len(out.sample_rows):
+            return False
+        seq_ids = out.seq_ids.tolist()
+        for row in out.sample_rows.tolist():
+            owner = self._sequences.get(seq_ids[row])
+            if owner is not None and not owner[0].samples_ahead(owner[1]):
+                return False
+        return True
+
+    def _commit_advanced(self) -> None:
+        """The advanced step's tokens into the scheduler (waiting for them); recorded with the next record."""
+        if self._advanced is None:
+            return
+        (out, pending), self._advanced = self._advanced, None
+        self._record_last_step()
+        sampled = pending.result()
+        self._prompt_logprobs.record(pending)
+        result = self.scheduler.commit(np.asarray(sampled.token_ids, dtype=np.int32))
+        self._unrecorded = (out, sampled, result, time.monotonic())
 
     def _record_last_step(self) -> None:
         if self._unrecorded is not None:
             last, self._unrecorded = self._unrecorded, None
-            self._record_tokens(*last)
+            self._recorder.record(*last)
 
     def _note_schedule(self, out) -> None:
         now = time.monotonic()
         for rejected in out.rejected:
             self._unscheduled.pop(rejected.seq_id, None)
-            self._untext(self._sequences.ended(rejected.seq_id, rejected.reason, error=REJECTED_ERROR))
+            self._recorder.changed(self._sequences.ended(rejected.seq_id, rejected.reason, error=REJECTED_ERROR))
         for seq_id in out.preempted:
             owner = self._sequences.get(seq_id)
             if owner is not None:
@@ -204,7 +250,8 @@ class LLMEngine:
         matchers: list = []
         rows = lambda: self._sampling_rows(out, matchers)  # noqa: E731
         grammar = lambda: self.grammars.step(matchers)  # noqa: E731
-        return self.worker.execute_async(out, rows, grammar, self._prompt_logprobs.plan(out))
+        last_ids = self._advanced[1].device_ids if self._advanced is not None else None
+        return self.worker.execute_async(out, rows, grammar, self._prompt_logprobs.plan(out), last_ids)
 
     def _sampling_rows(self, out, matchers: list) -> list:
         """The step's SamplingRows; (row, matcher) of the rows under a grammar are added to `matchers`."""
@@ -223,70 +270,7 @@ class LLMEngine:
             rows.append(request.sampling_row(index, n))
         return rows
 
-    def _record_tokens(self, out, sampled: SamplerOutput, result, now: float) -> None:
-        """update()'s tokens onto their samples (`now`: when they reached the host)."""
-        children = {}
-        for f in result.forks:
-            request, _ = self._sequences[f.parent]
-            self._sequences.own(f.child, request, f.sample_index)
-            request.samples[f.sample_index].generator = self.worker.sampler.generator_for(request.params,
-                                                                                          f.sample_index)
-            children[(f.parent, f.sample_index)] = f.child
-        seq_ids, tokens, logprobs, k = out.seq_ids.tolist(), sampled.token_ids, sampled.logprobs, 0
-        for row, n in zip(out.sample_rows.tolist(), out.num_samples.tolist()):
-            parent = seq_ids[row]
-            for j in range(n):
-                owner = self._sequences.get(parent if j == 0 else children.get((parent, j), -1))
-                if owner is not None:
-                    self._add_token(owner, tokens[k], logprobs[k] if logprobs else None, now)
-                k += 1
-        self.num_generation_tokens_total += k
-        for f in result.finished:
-            self._untext(self._sequences.ended(f.seq_id, f.reason, f.stop_token))
-        for request, sample in self.grammars.take_ended():  # a grammar that terminated ends its sequence
-            self._sequences.stop(sample)
-            self._untext(request)
-
-    def _add_token(self, owner: tuple[Request, int], token: int, logprob, now: float) -> None:
-        request, index = owner
-        sample = request.samples[index]
-        if sample.done:
-            return  # a stop string ended it while this step ran
-        metrics = request.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
-        entry = self._logprob_entry(logprob) if logprob is not None and sample.logprobs is not None else None
-        sample.add_token(token, entry, logprob.logprob if entry else 0.0)
-        if sample.grammar is not None:
-            self.grammars.accept(request, sample, token)
-        if sample.incremental:  # others get their text once, when they end
-            self._untext(request)
-
-    def _untext(self, request: Optional[Request]) -> None:
-        if request is not None:
-            self._untexted[request.request_id] = request
-
-    def _emit_outputs(self) -> list[RequestOutput]:
-        """Text, stop strings and finishes for the tokens recorded so far; the outputs they make."""
-        outputs = []
-        for rid, request in self._untexted.items():
-            for sample in request.samples:
-                if sample.sync_text() is not None:  # a stop string: the sequence may still be running
-                    self._sequences.stop(sample)
-            out = request.output()
-            if out is not None:
-                outputs.append(out)
-            if request.finished:
-                request.metrics.finished_time = time.monotonic()
-                self.requests.pop(rid, None)
-        self._untexted.clear()
-        return outputs
-
     # ------------------------------------------------------------------ helpers
-    def _logprob_entry(self, lp) -> dict[int, Logprob]:
-        return logprob_entry(lp, self.tokenizer)
-
     def check_health(self) -> None:
         """Raises EngineDeadError when a process this engine depends on died or hung (a tensor-parallel
         rank; the server asks while idle)."""
@@ -308,7 +292,8 @@ class LLMEngine:
     def stats(self) -> dict:
         s = self.scheduler.stats()
         s["num_prompt_tokens_total"] = self.num_prompt_tokens_total
-        s["num_generation_tokens_total"] = self.num_generation_tokens_total
+        s["num_generation_tokens_total"] = self._recorder.num_generation_tokens_total
+        s["num_steps_run_ahead"] = self.num_steps_run_ahead
         return s
 
     def snapshot(self) -> dict:

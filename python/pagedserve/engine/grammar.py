@@ -8,7 +8,7 @@ has both, behind one matcher interface), and only when both refuse is the spec a
 problems. Which backend compiled is logged and kept on the compiled grammar (`compile(spec).backend`).
 
 Each sample of such a request keeps its own matcher, advanced with every token the engine records
-(LLMEngine._add_token). Forks (n > 1) fork at the first sampled token: the row that forks is sampled
+(TokenRecorder._add_token). Forks (n > 1) fork at the first sampled token: the row that forks is sampled
 under the shared initial state and each sample's matcher, created with the request, accepts its own
 token. Preemption by recompute keeps a sequence's tokens, so its matcher needs nothing.
 

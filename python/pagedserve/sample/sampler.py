@@ -59,24 +59,28 @@ class PendingSamples:
     memory, so the caller can do host work while the device finishes the step."""
 
     def __init__(self, host: Optional[torch.Tensor], event, finish: Callable[[np.ndarray], SamplerOutput],
-                 output: Optional[SamplerOutput] = None):
+                 output: Optional[SamplerOutput] = None, device_ids: Optional[torch.Tensor] = None):
         self._host, self._event, self._finish, self._output = host, event, finish, output
         self.prompt_logprobs: Optional["PendingSamples"] = None  # the step's prompt logprobs (model runner)
+        # The sampled ids where the device left them, one per sample (int32): the next step's inputs when the
+        # engine runs ahead (StepInputs.take_deferred). None where a draw may still change on the host.
+        self.device_ids = device_ids
 
     @classmethod
     def ready(cls, output: SamplerOutput) -> "PendingSamples":
         return cls(None, None, lambda host: output, output)
 
     @classmethod
-    def copy(cls, device_ints: torch.Tensor, finish: Callable[[np.ndarray], SamplerOutput]) -> "PendingSamples":
-        """The single device-to-host copy of a step's results."""
+    def copy(cls, device_ints: torch.Tensor, finish: Callable[[np.ndarray], SamplerOutput],
+             device_ids: Optional[torch.Tensor] = None) -> "PendingSamples":
+        """The single device-to-host copy of a step's results (`device_ids`: see __init__)."""
         if device_ints.device.type != "cuda":
-            return cls(device_ints, None, finish)
+            return cls(device_ints, None, finish, device_ids=device_ids)
         host = torch.empty(device_ints.shape, dtype=device_ints.dtype, pin_memory=True)
         host.copy_(device_ints, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(host, event, finish)
+        return cls(host, event, finish, device_ids=device_ids)
 
     def result(self) -> SamplerOutput:
         if self._output is None:
@@ -146,11 +150,13 @@ class Sampler:
             logits = apply_penalties(logits, batch.penalties)
         token_ids = self._sample(logits, batch)
         if raw_logprobs is None:
-            return PendingSamples.copy(token_ids.to(torch.int32),
-                                       lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None))
+            ids = token_ids.to(torch.int32)
+            return PendingSamples.copy(ids, lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None),
+                                       device_ids=ids)
         assert batch.max_logprobs is not None
         packed = _pack_logprobs(token_ids, raw_logprobs, batch.max_logprobs, batch)
-        return PendingSamples.copy(packed, lambda host: _unpack_logprobs(host, batch))
+        return PendingSamples.copy(packed, lambda host: _unpack_logprobs(host, batch),
+                                   device_ids=packed[:batch.num_samples])
 
     # -- sampling -------------------------------------------------------------------
 
@@ -208,8 +214,9 @@ class Sampler:
             return out
 
         if grammar is None or isinstance(grammar, GrammarMask):
-            return PendingSamples.copy(draw(grammar),
-                                       lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None))
+            drawn = draw(grammar)
+            return PendingSamples.copy(drawn, lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None),
+                                       device_ids=drawn)
 
         def checked(host: np.ndarray) -> SamplerOutput:
             token_ids = host.tolist()

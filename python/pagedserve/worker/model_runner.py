@@ -39,13 +39,16 @@ class ModelRunner:
         self.heap = HeapTrimmer(enabled=self.device.type == "cpu")  # freed activations back to the OS
 
     @torch.inference_mode()
-    def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> Optional[PendingSamples]:
+    def execute_async(self, step, rows, grammar=None, prompt_plan=None,
+                      last_ids: Optional[torch.Tensor] = None) -> Optional[PendingSamples]:
         """Queues `step` (a _core.StepOutput, or any object with its fields) and the sampling of
         `rows` (one SamplingRow per sample row, or a callable returning them) on the device; the result
         arrives with PendingSamples.result(). `grammar`: the sampler's token mask or mask source (see
         Sampler.launch), or a callable returning it. Callables are called once the forward is queued, rows first.
         `prompt_plan` (sample.prompt_logprobs.PromptLogprobsPlan, prefill steps only): the prompt
         logprobs to compute too; they arrive with the result's `prompt_logprobs.result()`.
+        `last_ids`: the previous step's PendingSamples.device_ids, where the engine ran ahead of it (the
+        step's deferred input ids are among them).
         A tensor-parallel rank other than the driver runs the same model calls (and so the same
         collectives) and returns None: its model hands it no logits to sample."""
         self.heap.note_step(int(step.num_tokens))
@@ -53,7 +56,7 @@ class ModelRunner:
             if step.block_copies.shape[0]:
                 copies = torch.from_numpy(step.block_copies.copy()).to(self.device, non_blocking=True)
                 ops.copy_blocks(self.kv_cache, copies)
-            logits, prompt_pending = self._forward(step, prompt_plan)
+            logits, prompt_pending = self._forward(step, prompt_plan, last_ids)
             if logits is None:
                 return None
             if callable(rows):  # made on the host while the device runs the forward
@@ -67,14 +70,16 @@ class ModelRunner:
     def compute_logits(self, step) -> torch.Tensor:
         return self._forward(step)[0]
 
-    def _forward(self, step, prompt_plan=None) -> tuple[torch.Tensor, Optional[PendingSamples]]:
+    def _forward(self, step, prompt_plan=None, last_ids=None) -> tuple[torch.Tensor, Optional[PendingSamples]]:
         """The logits of the step's sample rows, and the pending prompt logprobs of `prompt_plan`."""
         graph = self.graphs.lookup(step) if self.graphs is not None and prompt_plan is None else None
         if graph is not None:
             logits_indices = self.inputs.prepare_replay(step, graph.batch_size)
+            self.inputs.take_deferred(step, last_ids)
             hidden = graph.replay()
         else:
             input_ids, positions, attn, logits_indices = self.inputs.prepare(step)
+            self.inputs.take_deferred(step, last_ids)
             hidden = self.model.forward(input_ids, positions, attn, self.kv_cache)
         logits = self.model.compute_logits(_logit_rows(hidden, logits_indices))
         if prompt_plan is None:

@@ -11,6 +11,11 @@ middle chunk of a chunked prefill) returns to the host before its copy has run,
 so without the wait the next step's arrays could reach the device as this
 step's (seen on an H200: NaN outputs of a Mixtral-shaped model whose prompt
 chunks replayed CUDA graphs, which leave the host ahead of the device).
+
+When the engine runs ahead, some input ids are the previous step's samples,
+still on the device: the step names them (deferred_tokens / deferred_samples,
+cpp/scheduler.h) and take_deferred() gathers them into input_ids after the
+copy, in stream order, before the forward reads them.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class StepInputs:
             "seq_lens": max_num_seqs,
             "prompt_lens": max_num_seqs,
             "logits_indices": max_num_tokens,
+            "deferred_tokens": max_num_seqs,  # a decode row's token at most
+            "deferred_samples": max_num_seqs,
             "block_tables": max_num_seqs * max_blocks_per_seq,  # last: copied only as far as used
         }
         self._segments: dict[str, _Segment] = {}
@@ -111,6 +118,10 @@ class StepInputs:
         h("prompt_lens")[:num_seqs] = step.prompt_lens
         num_logits = len(step.logits_indices)
         h("logits_indices")[:num_logits] = step.logits_indices
+        num_deferred = len(step.deferred_tokens)
+        if num_deferred:
+            h("deferred_tokens")[:num_deferred] = step.deferred_tokens
+            h("deferred_samples")[:num_deferred] = step.deferred_samples
         if rows > num_seqs:  # padding rows of a decode batch: one token each
             tokens = num_tokens + rows - num_seqs
             h("input_ids")[num_tokens:tokens] = 0
@@ -127,6 +138,18 @@ class StepInputs:
             self._device[:used].copy_(self._host[:used], non_blocking=True)
             self._copied.record()
         return num_logits
+
+    def take_deferred(self, step, last_ids: Optional[torch.Tensor]) -> None:
+        """Puts the previous step's device-side samples (`last_ids`, int32, one per sample) where the step's
+        deferred input ids go. Call after prepare() / prepare_replay(), before the forward."""
+        num_deferred = len(step.deferred_tokens)
+        if not num_deferred:
+            return
+        if last_ids is None:
+            raise RuntimeError("the step takes input ids from the previous step's samples, which were not given")
+        tokens = self._view("deferred_tokens")[:num_deferred]
+        samples = self._view("deferred_samples")[:num_deferred]
+        self._view("input_ids").index_put_((tokens,), last_ids.index_select(0, samples))
 
     def _metadata(self, rows: int, tokens: int, max_query_len: int, max_seq_len: int,
                   num_decodes: int) -> AttentionMetadata:

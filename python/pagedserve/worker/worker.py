@@ -111,8 +111,8 @@ class Worker:
             heap.trim()
         return loaded
 
-    def execute_async(self, step, rows, grammar=None, prompt_plan=None) -> PendingSamples:
-        return self.runner.execute_async(step, rows, grammar, prompt_plan)
+    def execute_async(self, step, rows, grammar=None, prompt_plan=None, last_ids=None) -> PendingSamples:
+        return self.runner.execute_async(step, rows, grammar, prompt_plan, last_ids)
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the worker cannot run another step (a single process always can)."""

@@ -9,7 +9,7 @@ real step, so the profile sees exactly the tensors a real step allocates.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,6 +33,9 @@ class StepArrays:
     max_query_len: int
     max_seq_len: int
     num_decodes: int = 0
+    # Inputs still on the device (run-ahead, cpp/step_output.h): none in a step built here.
+    deferred_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    deferred_samples: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
 
     @property
     def num_seqs(self) -> int:
