@@ -12,7 +12,7 @@
 # (py_ab on request: the built package against an older Python tree, $AB_OLD_PYTHON, default probe/ab_old, carried
 # with the call; it gets this build's extension. Interleaved rounds of $AB_CASES: tiny (TinyLlama shape at 1 and 64
 # concurrent, the model's max_model_len), tiny_short (at 1, max_model_len 190), smol (SmolLM2 shape at 64, its
-# max_model_len), long (the long workload), json (structured_bench.py at 64 requests). For changes to python/ only.)
+# max_model_len; smol10: 10 requests a slot), long (the long workload), json (structured_bench.py at 64 requests). For changes to python/ only.)
 # (opt_ab on request: an engine option's values on this build, $AB_OPTION=$AB_VALUES, interleaved rounds of $AB_CASES)
 # (cpu_host on request: the CPU kernels and CPU serving bench on the host's CPU, pinned to 2 cores; with the
 # model wheel also gguf_bench)
@@ -73,6 +73,8 @@ ab_case() {  # name, case, env [VAR=value ...] [--option key=value]: one A/B run
     tiny) cmd=(bench/perf/throughput.py --device cuda --shape tinyllama-1.1b --no-hf --concurrency 1 64 --max-model-len 0) ;;
     tiny_short) cmd=(bench/perf/throughput.py --device cuda --shape tinyllama-1.1b --no-hf --concurrency 1) ;;
     smol) cmd=(bench/perf/throughput.py --device cuda --shape smollm2-135m --no-hf --concurrency 64 --max-model-len 0) ;;
+    smol10) cmd=(bench/perf/throughput.py --device cuda --shape smollm2-135m --no-hf --concurrency 64 --max-model-len 0
+                 --requests-per-slot 10) ;;  # 640 requests through 64 slots: the measure
     long) cmd=(bench/perf/long_workload.py --device cuda --shape qwen3-0.6b) ;;
     json) cmd=(bench/perf/structured_bench.py --device cuda --num-requests 64) ;;  # needs the model wheel
     *) note "ab: unknown case $case"; return ;;
