@@ -135,6 +135,8 @@ for stage in "${STAGES[@]}"; do
       run_stage e2e_long python3 bench/perf/long_workload.py --device cuda --out "$RUN" ;;
     timing)
       run_stage step_timing python3 bench/perf/step_timing.py --shape tinyllama-1.1b --batch 1 64 256 --out "$RUN"
+      run_stage step_timing_sync python3 bench/perf/step_timing.py --shape tinyllama-1.1b --batch 1 64 256 \
+        --option async_scheduling=off --out "$RUN"  # the host's share without run-ahead
       run_stage step_timing_smol python3 bench/perf/step_timing.py --shape default --batch 64 --out "$RUN"
       run_stage decode_kernels python3 bench/perf/decode_kernels.py --shape tinyllama-1.1b --batch 1 64 --label "${KERNELS_LABEL:-}" --out "$RUN"
       run_stage decode_kernels_invariant python3 bench/perf/decode_kernels.py --shape tinyllama-1.1b --batch 1 64 \

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.model_shapes import shape_dir  # noqa: E402
-from common.report import arg_parser, markdown_table, require_cuda, save  # noqa: E402
+from common.report import add_engine_options, arg_parser, engine_options, markdown_table, require_cuda, save  # noqa: E402
 
 
 def measure(shape: str | None, batch: int, steps: int, options: dict | None = None) -> dict:
@@ -66,15 +66,18 @@ def main() -> None:
     ap.add_argument("--shape", default="tinyllama-1.1b", help="dummy shape, or 'default' for SmolLM2-135M")
     ap.add_argument("--batch", type=int, nargs="+", default=None, help="default 1 64 256 (--quick: 1 8)")
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed per batch (default 100, --quick: 10)")
+    add_engine_options(ap)
     args = ap.parse_args()
     args.batch = args.batch or ([1, 8] if args.quick else [1, 64, 256])
     args.steps = args.steps or (10 if args.quick else 100)
     require_cuda(__file__)
     shape = None if args.shape == "default" else args.shape
-    rows = [measure(shape, b, args.steps) for b in args.batch]
+    options = engine_options(args.option)
+    rows = [measure(shape, b, args.steps, options) for b in args.batch]
     table = markdown_table(rows, list(rows[0]))
     print(table)
-    save(f"step_timing_{args.shape}" + ("_quick" if args.quick else ""), {"rows": rows},
+    variant = "".join(f"_{key}-{value}" for key, value in options.items())
+    save(f"step_timing_{args.shape}{variant}" + ("_quick" if args.quick else ""), {"rows": rows, "options": options},
          "## Decode step: wall time vs device time\n\n" + table, args.out)
 
 
