@@ -168,7 +168,7 @@ for stage in "${STAGES[@]}"; do
         done
       done ;;
     opt_ab)  # one engine option's values, interleaved rounds of $AB_CASES (as py_ab), on this build and tree:
-             # AB_OPTION=async_scheduling AB_VALUES="off on" (json: structured_bench takes no options)
+             # AB_OPTION=async_scheduling AB_VALUES="off on"
       for round in $(seq "${AB_ROUNDS:-2}"); do
         for value in ${AB_VALUES:-off on}; do
           for case in ${AB_CASES:-tiny smol long}; do

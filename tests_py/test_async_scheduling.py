@@ -1,7 +1,7 @@
 """async_scheduling (run-ahead) against the plain step loop on the default model: the same tokens, logprobs,
 texts and finish reasons for every request whose result does not depend on its batch (greedy and seeded
-draws), across EOS, stop strings, stop token ids, max_tokens, min_tokens, penalties, parallel samples, a
-prefix-cache hit, preemptions in a small KV pool and an abort; and every block back in the pool after.
+draws), across EOS, stop strings, stop token ids, max_tokens, min_tokens, penalties, JSON-schema grammars,
+parallel samples, a prefix-cache hit, preemptions in a small KV pool and an abort; and every block back in the pool after.
 
 Run-ahead schedules step N+1 before step N's tokens reach the host, so its steps differ (a row finished
 by EOS runs once more, blocks come back a step later); only what the requests receive must not. On the
@@ -10,11 +10,13 @@ CPU it is off by default (nothing to overlap) but runs the same code as on CUDA,
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from pagedserve import LLM, SamplingParams, _core
+from pagedserve import LLM, SamplingParams, StructuredOutputsParams, _core
 
 SHARED_PREFIX = np.random.default_rng(3).integers(100, 30000, size=40).tolist()
 
@@ -35,9 +37,9 @@ def workload() -> tuple[list[dict], list[SamplingParams]]:
         elif kind == 2:
             p.update(temperature=0.0, stop=[" the", "."])  # stop strings, found on the host
         elif kind == 3:
-            p.update(temperature=0.0, min_tokens=6, ignore_eos=False)  # sync steps until 6 tokens
+            p.update(temperature=0.0, min_tokens=6, ignore_eos=False)  # EOS masked for 6 tokens
         elif kind == 4:
-            p.update(temperature=0.0, repetition_penalty=1.3, max_tokens=4)  # reads its output: no step ahead
+            p.update(temperature=0.0, repetition_penalty=1.3)  # its rows are built once the last token is in
         elif kind == 5:
             p.update(temperature=0.9, seed=7 + i, n=2)  # forks after its prefill
         elif kind == 6:
@@ -46,6 +48,12 @@ def workload() -> tuple[list[dict], list[SamplingParams]]:
             p.update(temperature=0.0, stop_token_ids=[int(t) for t in rng.integers(100, 30000, size=30)])
         prompts.append({"prompt_token_ids": tokens})
         params.append(SamplingParams(**p))
+    for i, temperature in enumerate((0.0, 0.7)):  # grammars: masks made after the last token is accepted
+        schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                  "required": ["name", "age"]}
+        so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        prompts.append({"prompt_token_ids": rng.integers(100, 30000, size=12).tolist()})
+        params.append(SamplingParams(structured_outputs=so, max_tokens=30, temperature=temperature, seed=3 + i))
     return prompts, params
 
 
@@ -92,6 +100,9 @@ def test_same_outputs_with_and_without_run_ahead(engines):
     assert plain.llm_engine.stats()["num_steps_run_ahead"] == 0
     if ahead.llm_engine.worker.device.type == "cpu":
         assert stats["num_preemptions"] > 0  # the small pool did preempt
+    for rows in want[-2:]:  # the grammars held: JSON objects with both keys
+        text, reason = rows[0][2], rows[0][3]
+        assert reason == "length" or set(json.loads(text)) == {"name", "age"}, text
     finish_reasons = {row[3] for rows in want for row in rows}
     assert finish_reasons == {"stop", "length"}
     for llm in engines:  # every block back (cached prompt blocks stay evictable)

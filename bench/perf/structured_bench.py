@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.report import arg_parser, markdown_table, save  # noqa: E402
+from common.report import add_engine_options, arg_parser, engine_options, markdown_table, save  # noqa: E402
 
 LONG_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 200}
 BOUNDED_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 24}, "minItems": 200}
@@ -55,13 +55,14 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2, help="timed runs of each case (interleaved); best is kept")
+    add_engine_options(ap)
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.max_tokens, args.runs = 4, 16, 1
 
     from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 
-    llm = LLM(args.model, device=args.device, seed=0, load_format=args.load_format)
+    llm = LLM(args.model, device=args.device, seed=0, load_format=args.load_format, **engine_options(args.option))
     engine = llm.llm_engine
     steps = [0]
     step = engine.step

@@ -85,14 +85,6 @@ class SamplingParams:
         return bool(self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
 
     @property
-    def reads_output(self) -> bool:
-        """A draw reads the tokens generated before it (penalties, a bad word of several tokens; min_tokens
-        until it is reached, which the engine checks itself): the engine cannot sample it before the previous
-        token reaches the host (async_scheduling)."""
-        words = self.bad_words_token_ids
-        return self.has_penalties or (bool(self.bad_words) and (words is None or any(len(w) > 1 for w in words)))
-
-    @property
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
 

@@ -18,14 +18,16 @@ next), so a decode forward follows the last with only update, schedule and
 the input copy between them. So text and outputs trail the tokens by one
 step; engine/sequences.py says how and why every sequence finishes.
 
-Run-ahead (async_scheduling on): where no row's next draw reads its latest
-token (Request.samples_ahead), the step is advanced (C++) instead of waited
-for, and the next step is scheduled and queued first, its decode inputs taken
-from the samples still on the device; then the advanced step's tokens are
-committed (C++: EOS, stop ids, max_tokens as update() applies them) and
-recorded while the device runs the new step. The device then never waits for
-the host between steps; a row whose sequence the commit finishes ran once more,
-and its token is dropped. Tokens and logprobs are the same either way.
+Run-ahead (async_scheduling on): a step whose samples are final on the device
+is advanced (C++) instead of waited for; the next step is scheduled and its
+forward queued first, its decode inputs taken from those samples on the
+device. Then, while the device runs that forward, the advanced step's tokens
+are committed (C++: EOS, stop ids, max_tokens, as update() applies them) and
+recorded, and only then are the new step's sampling rows and grammar masks
+built, so penalties, min_tokens and grammars see every token. The device no
+longer waits for scheduling and input copies between steps; a row whose
+sequence the commit finishes ran once more, and its token is dropped. Tokens
+and logprobs are the same either way.
 """
 
 from __future__ import annotations
@@ -200,16 +202,9 @@ class LLMEngine:
 
     def _may_run_ahead(self, out, pending) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host: run-ahead is on,
-        no prompt forks here (update() makes the children), the samples stay as drawn on the device, and no
-        row's next draw reads the token it draws now."""
-        if not self._run_ahead or pending.device_ids is None or out.total_samples != len(out.sample_rows):
-            return False
-        seq_ids = out.seq_ids.tolist()
-        for row in out.sample_rows.tolist():
-            owner = self._sequences.get(seq_ids[row])
-            if owner is not None and not owner[0].samples_ahead(owner[1]):
-                return False
-        return True
+        no prompt forks here (update() makes the children), and the samples are final on the device (not
+        drawn unmasked for the host's grammar check, sample/sampler.py)."""
+        return self._run_ahead and pending.device_ids is not None and out.total_samples == len(out.sample_rows)
 
     def _commit_advanced(self) -> None:
         """The advanced step's tokens into the scheduler (waiting for them); recorded with the next record."""
@@ -255,6 +250,7 @@ class LLMEngine:
 
     def _sampling_rows(self, out, matchers: list) -> list:
         """The step's SamplingRows; (row, matcher) of the rows under a grammar are added to `matchers`."""
+        self._commit_advanced()  # run-ahead: the forward is queued, so the last step's tokens may be awaited
         self._record_last_step()  # the rows' samples, penalties and grammars take the last step's tokens
         rows = []
         seq_ids = out.seq_ids.tolist()  # plain ints: a numpy scalar per row costs more than the lookup

@@ -124,14 +124,6 @@ class Request:
         self.prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
         self._prompt_logprobs_sent = False  # a stream hands them back once, with its first output
         self.samples = [self._new_sample(i, tokenizer) for i in range(params.n)]
-        self._reads_output = params.reads_output
-
-    def samples_ahead(self, index: int) -> bool:
-        """Whether sample `index`'s next draw is the same without its latest token, so the engine may
-        schedule it before that token reaches the host (async_scheduling): no grammar, penalties or
-        multi-token bad words, and min_tokens already reached (by the tokens recorded so far)."""
-        sample = self.samples[index]
-        return sample.grammar is None and not self._reads_output and len(sample.token_ids) >= self.params.min_tokens
 
     def _new_sample(self, index: int, tokenizer) -> Sample:
         p = self.params
