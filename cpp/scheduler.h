@@ -39,9 +39,9 @@
 // stopping rule, exactly as update() would have; it must come before the
 // next advance() or update(). A row whose placeholder reaches max_tokens or
 // max_model_len is not scheduled again; one that commit() finishes on EOS or
-// a stop token ran one extra row, whose token nobody receives (its KV lands
-// in blocks commit() already released, before any later step can reuse them
-// on the device's stream order).
+// a stop token ran one extra row, whose token nobody receives. That row's KV
+// lands in blocks commit() has released, but no step scheduled into them
+// can run before it: steps run in the device's stream order.
 //
 //   schedule() -> advance() -> schedule() -> commit(t) -> advance() -> ...
 #pragma once

@@ -21,6 +21,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <utility>
 
 #include "scheduler.h"
 
@@ -341,17 +342,26 @@ class PropertyHarness {
   std::map<SeqId, ModelSeq> model_;
 };
 
-TEST(SchedulerProperty, SlidingWindowKeepsEveryInvariant) {
-  std::mt19937_64 rng(7);
-  Coverage coverage;
-  for (int scenario = 0; scenario < 40; ++scenario) {
+// Runs `scenarios` harnesses of 1000 random operations each, from one seed; options(scenario) gives
+// {sliding_window, run_ahead}. Stops at the first fatal failure.
+template <typename Options>
+void run_scenarios(uint64_t seed, int scenarios, Coverage& coverage, Options options) {
+  std::mt19937_64 rng(seed);
+  for (int scenario = 0; scenario < scenarios; ++scenario) {
     SCOPED_TRACE("scenario " + std::to_string(scenario));
     {
-      PropertyHarness harness(rng, coverage, /*sliding_window=*/true);
+      const auto [sliding_window, run_ahead] = options(scenario);
+      PropertyHarness harness(rng, coverage, sliding_window, run_ahead);
       harness.run(1000);
     }
     if (::testing::Test::HasFatalFailure()) return;
   }
+}
+
+TEST(SchedulerProperty, SlidingWindowKeepsEveryInvariant) {
+  Coverage coverage;
+  run_scenarios(7, 40, coverage, [](int) { return std::pair{true, false}; });
+  if (::testing::Test::HasFatalFailure()) return;
   std::printf("steps %lld, preemptions %lld, prefix hit blocks %lld, dropped block entries %lld, checks of "
               "sequences longer than the pool %lld\n",
               static_cast<long long>(coverage.steps), static_cast<long long>(coverage.preemptions),
@@ -365,18 +375,9 @@ TEST(SchedulerProperty, SlidingWindowKeepsEveryInvariant) {
 }
 
 TEST(SchedulerProperty, HundredThousandRandomOperationsKeepEveryInvariant) {
-  std::mt19937_64 rng(20261122);
   Coverage coverage;
-  int total = 0;
-  for (int scenario = 0; total < 100000; ++scenario) {
-    SCOPED_TRACE("scenario " + std::to_string(scenario));
-    {
-      PropertyHarness harness(rng, coverage);
-      harness.run(1000);
-    }
-    if (::testing::Test::HasFatalFailure()) return;
-    total += 1000;
-  }
+  run_scenarios(20261122, 100, coverage, [](int) { return std::pair{false, false}; });
+  if (::testing::Test::HasFatalFailure()) return;
   std::printf("steps %lld, tokens %lld, preemptions %lld, block copies %lld, prefix hit blocks %lld, rejected %lld, "
               "forks %lld, in-flight aborts %lld, finished %lld\n",
               static_cast<long long>(coverage.steps), static_cast<long long>(coverage.tokens),
@@ -394,16 +395,9 @@ TEST(SchedulerProperty, HundredThousandRandomOperationsKeepEveryInvariant) {
 }
 
 TEST(SchedulerProperty, RunAheadKeepsEveryInvariant) {
-  std::mt19937_64 rng(20261128);
   Coverage coverage;
-  for (int scenario = 0; scenario < 60; ++scenario) {
-    SCOPED_TRACE("scenario " + std::to_string(scenario));
-    {
-      PropertyHarness harness(rng, coverage, /*sliding_window=*/scenario % 3 == 0, /*run_ahead=*/true);
-      harness.run(1000);
-    }
-    if (::testing::Test::HasFatalFailure()) return;
-  }
+  run_scenarios(20261128, 60, coverage, [](int scenario) { return std::pair{scenario % 3 == 0, true}; });
+  if (::testing::Test::HasFatalFailure()) return;
   std::printf("steps %lld, advanced %lld, deferred inputs %lld, rows finished before their forward %lld, "
               "preemptions %lld, forks %lld, in-flight aborts %lld\n",
               static_cast<long long>(coverage.steps), static_cast<long long>(coverage.advanced),
