@@ -1,7 +1,7 @@
 """async_scheduling (run-ahead) against the plain step loop on the default model: the same tokens, logprobs,
 texts and finish reasons for every request whose result does not depend on its batch (greedy and seeded
 draws), across EOS, stop strings, stop token ids, max_tokens, min_tokens, penalties, JSON-schema grammars,
-parallel samples, a prefix-cache hit, preemptions in a small KV pool and an abort; and every block back in the pool after.
+prompt logprobs, parallel samples, a prefix-cache hit, preemptions in a small KV pool and an abort; and every block back in the pool after.
 
 Run-ahead schedules step N+1 before step N's tokens reach the host, so its steps differ (a row finished
 by EOS runs once more, blocks come back a step later); only what the requests receive must not. On the
@@ -21,7 +21,7 @@ from pagedserve import LLM, SamplingParams, StructuredOutputsParams, _core
 SHARED_PREFIX = np.random.default_rng(3).integers(100, 30000, size=40).tolist()
 
 
-def workload() -> tuple[list[dict], list[SamplingParams]]:
+def workload(prompt_logprobs: bool = True) -> tuple[list[dict], list[SamplingParams]]:
     rng = np.random.default_rng(11)
     prompts, params = [], []
     for i in range(24):
@@ -43,7 +43,8 @@ def workload() -> tuple[list[dict], list[SamplingParams]]:
         elif kind == 5:
             p.update(temperature=0.9, seed=7 + i, n=2)  # forks after its prefill
         elif kind == 6:
-            p.update(temperature=0.0, ignore_eos=True)  # exactly max_tokens
+            # exactly max_tokens; prompt logprobs keep the plain order until recorded
+            p.update(temperature=0.0, ignore_eos=True, prompt_logprobs=1 if prompt_logprobs else None)
         else:
             p.update(temperature=0.0, stop_token_ids=[int(t) for t in rng.integers(100, 30000, size=30)])
         prompts.append({"prompt_token_ids": tokens})
@@ -62,7 +63,9 @@ def outcome(output) -> list[tuple]:
     for c in output.outputs:
         logprobs = None if c.logprobs is None else [sorted((t, lp.logprob) for t, lp in s.items()) for s in c.logprobs]
         rows.append((c.index, list(c.token_ids), c.text, c.finish_reason, c.stop_reason, logprobs))
-    return rows
+    prompt = None if output.prompt_logprobs is None else [
+        None if step is None else sorted((t, lp.logprob) for t, lp in step.items()) for step in output.prompt_logprobs]
+    return rows + [prompt]
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _core.has_cuda else [])
@@ -90,7 +93,10 @@ def engines(request, default_model_path):
 
 def test_same_outputs_with_and_without_run_ahead(engines):
     plain, ahead = engines
-    prompts, params = workload()
+    on_cpu = ahead.llm_engine.worker.device.type == "cpu"
+    # The engine's handling of prompt logprobs is the same on every device; on CUDA their eager prefills
+    # would also have to be batch-invariant across the two loops' different batches, which is not claimed.
+    prompts, params = workload(prompt_logprobs=on_cpu)
     want = [outcome(o) for o in plain.generate(prompts, params, use_tqdm=False)]
     got = [outcome(o) for o in ahead.generate(prompts, params, use_tqdm=False)]
     for i, (w, g) in enumerate(zip(want, got)):
@@ -98,12 +104,13 @@ def test_same_outputs_with_and_without_run_ahead(engines):
     stats = ahead.llm_engine.stats()
     assert stats["num_steps_run_ahead"] > 20
     assert plain.llm_engine.stats()["num_steps_run_ahead"] == 0
-    if ahead.llm_engine.worker.device.type == "cpu":
+    if on_cpu:
         assert stats["num_preemptions"] > 0  # the small pool did preempt
     for rows in want[-2:]:  # the grammars held: JSON objects with both keys
         text, reason = rows[0][2], rows[0][3]
         assert reason == "length" or set(json.loads(text)) == {"name", "age"}, text
-    finish_reasons = {row[3] for rows in want for row in rows}
+    assert sum(rows[-1] is not None for rows in want) == (3 if on_cpu else 0)  # the prompt logprobs came back
+    finish_reasons = {row[3] for rows in want for row in rows[:-1]}
     assert finish_reasons == {"stop", "length"}
     for llm in engines:  # every block back (cached prompt blocks stay evictable)
         assert llm.llm_engine.stats()["num_used_blocks"] == 0

@@ -204,12 +204,12 @@ class LLMEngine:
 
     def _may_run_ahead(self, out, pending, matchers: list) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host: run-ahead is on,
-        no prompt forks here (update() makes the children), the samples are final on the device, and no row
-        is under a grammar. Run ahead, grammar steps were exact but slower on an H200 (64 rows, SmolLM2:
-        JSON schema 28.3k -> 26.2k tok/s, tools auto 38.1k -> 31.8k; bench/results/h200/session31.md), so
-        they keep the plain order."""
+        no prompt forks here (update() makes the children), the samples are final on the device, the step
+        computed no prompt logprobs (the next plan counts recorded positions), and no row is under a grammar. Run
+        ahead, grammar steps were exact but slower on an H200 (64 rows, SmolLM2: JSON schema 28.3k -> 26.2k
+        tok/s, tools auto 38.1k -> 31.8k; bench/results/h200/session31.md), so they keep the plain order."""
         return (self._run_ahead and not matchers and pending.device_ids is not None
-                and out.total_samples == len(out.sample_rows))
+                and out.total_samples == len(out.sample_rows) and self._prompt_logprobs.idle)
 
     def _commit_advanced(self) -> None:
         """The advanced step's tokens into the scheduler (waiting for them); recorded with the next record."""

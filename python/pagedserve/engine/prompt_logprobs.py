@@ -37,6 +37,12 @@ class PromptLogprobs:
         if len(request.prompt_token_ids) > 1:
             self._wanted[seq_id] = request
 
+    @property
+    def idle(self) -> bool:
+        """No planned step's prompt logprobs wait to be recorded. The engine runs a step ahead only then: the
+        next plan counts each request's positions recorded so far, and one plan is held at a time."""
+        return self._plan is None
+
     def plan(self, out) -> Optional[PromptLogprobsPlan]:
         """The prompt logprobs step `out` (a _core.StepOutput) computes, or None."""
         self._plan, self._spans = None, []
