@@ -25,7 +25,7 @@ device. Then, while the device runs that forward, the advanced step's tokens
 are committed (C++: EOS, stop ids, max_tokens, as update() applies them) and
 recorded, and only then are the new step's sampling rows and grammar masks
 built, so penalties, min_tokens and grammars see every token (a step with
-grammar rows is not itself run ahead: _may_run_ahead). The device no
+grammar rows or prompt logprobs is not itself run ahead: _may_run_ahead). The device no
 longer waits for scheduling and input copies between steps; a row whose
 sequence the commit finishes ran once more, and its token is dropped. Tokens
 and logprobs are the same either way.
