@@ -75,7 +75,7 @@ class Driver {
     for (size_t r = 0; r < out.sample_rows.size(); ++r) {
       const SeqId id = out.seq_ids[static_cast<size_t>(out.sample_rows[r])];
       const int32_t position = out.seq_lens[static_cast<size_t>(out.sample_rows[r])];
-      const int64_t tag = tags_.count(id) ? tags_.at(id) : -1;  // a fork's child is tagged by update()
+      const int64_t tag = tags_.at(id);  // sample j of a forking prompt is its child of tag + j
       for (int32_t j = 0; j < out.num_samples[r]; ++j) sampled.push_back(oracle(tag + j, position));
     }
     return sampled;
