@@ -93,8 +93,9 @@ void Scheduler::schedule_partial_prefills(StepOutput& out, int32_t& budget) {
   }
 }
 
-bool Scheduler::schedulable(const Sequence& seq) {
-  return seq.status == SeqStatus::kRunning && !seq.finished() && !seq.scheduled && !seq.ends_on_commit;
+bool Scheduler::schedulable(const Sequence& seq) const {
+  const bool ends_on_commit = seq.awaiting_sample >= 0 && at_length_limit(seq);
+  return seq.status == SeqStatus::kRunning && !seq.finished() && !seq.scheduled && !ends_on_commit;
 }
 
 void Scheduler::admit_waiting(StepOutput& out, int32_t& budget) {

@@ -154,8 +154,10 @@ class Scheduler {
   void append_token(Sequence& seq, TokenId token, UpdateResult& result);
   // Applies EOS, stop token ids, max_tokens and max_model_len to seq's last token.
   void check_stop(Sequence& seq, TokenId token, UpdateResult& result);
-  // Running and not yet in this step, nor awaiting a commit that ends it.
-  static bool schedulable(const Sequence& seq);
+  // seq's tokens have reached max_tokens or max_model_len (the placeholder counted).
+  bool at_length_limit(const Sequence& seq) const;
+  // Running and not yet in this step, nor awaiting a commit that ends it by length.
+  bool schedulable(const Sequence& seq) const;
   void fork_children(Sequence& parent, std::span<const TokenId> samples, UpdateResult& result);
   void build_arrays(StepOutput& out);
 

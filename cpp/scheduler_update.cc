@@ -71,8 +71,6 @@ void Scheduler::advance() {
     if (!seq) continue;
     seq->tokens.push_back(kPendingToken);
     seq->awaiting_sample = static_cast<int32_t>(r);
-    seq->ends_on_commit =
-        seq->num_generated() >= seq->params.max_tokens || seq->num_tokens() >= config_.max_model_len;
   }
 }
 
@@ -90,7 +88,6 @@ UpdateResult Scheduler::commit(std::span<const TokenId> sampled) {
              "commit(): the sequence's last token is not this step's placeholder");
     seq->tokens[position] = sampled[r];
     seq->awaiting_sample = -1;
-    seq->ends_on_commit = false;
     check_stop(*seq, sampled[r], result);
   }
   reap();
@@ -123,6 +120,10 @@ void Scheduler::append_token(Sequence& seq, TokenId token, UpdateResult& result)
   check_stop(seq, token, result);
 }
 
+bool Scheduler::at_length_limit(const Sequence& seq) const {
+  return seq.num_generated() >= seq.params.max_tokens || seq.num_tokens() >= config_.max_model_len;
+}
+
 void Scheduler::check_stop(Sequence& seq, TokenId token, UpdateResult& result) {
   const StopParams& p = seq.params;
   FinishReason reason = FinishReason::kNone;
@@ -136,10 +137,7 @@ void Scheduler::check_stop(Sequence& seq, TokenId token, UpdateResult& result) {
       stop_token = token;
     }
   }
-  if (reason == FinishReason::kNone &&
-      (seq.num_generated() >= p.max_tokens || seq.num_tokens() >= config_.max_model_len)) {
-    reason = FinishReason::kLength;
-  }
+  if (reason == FinishReason::kNone && at_length_limit(seq)) reason = FinishReason::kLength;
   if (reason == FinishReason::kNone) return;
   finish_now(seq, reason);
   result.finished.push_back({seq.id, reason, stop_token});

@@ -59,7 +59,6 @@ struct Sequence {
   // Run-ahead (Scheduler::advance): the last token is kPendingToken, standing for sample
   // `awaiting_sample` of the advanced step until commit() writes it; -1 otherwise.
   int32_t awaiting_sample = -1;
-  bool ends_on_commit = false;  // that token reaches max_tokens or max_model_len: not scheduled again
   int32_t num_preemptions = 0;
 };
 

@@ -195,9 +195,8 @@ class LLMEngine:
             self._prompt_logprobs.record(pending)
             result = self.scheduler.update(np.asarray(sampled.token_ids, dtype=np.int32))
             self._unrecorded = (out, sampled, result, time.monotonic())
-        if not self.scheduler.has_unfinished():  # every advanced row was stopped or aborted meanwhile
-            self._commit_advanced()
         if not self.scheduler.has_unfinished():
+            self._commit_advanced()  # a step whose every row was stopped or aborted meanwhile
             self._record_last_step()
             outputs += self._recorder.emit()  # nothing left to overlap with
         return outputs
