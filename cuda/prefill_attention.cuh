@@ -2,30 +2,36 @@
 // FlashAttention-2 on mma.sync tensor cores, keys and values gathered from
 // the paged cache.
 //
-// Grid (query tile, query head, prefill row): a CTA owns 64 query tokens of
-// one head of one row; CTAs of query tiles past the row's q_len exit at once,
-// so no host-side tile list is needed (grid x comes from max_query_len). The
-// heaviest (last) query tiles launch first to shorten the causal tail.
+// Grid (query tile, query head, prefill row): a CTA owns 64 query tokens (128
+// from kWideQueryLen on at head dim 128, WideShape) of one head of one row;
+// CTAs of query tiles past the row's q_len exit at once, so no host-side tile
+// list is needed (grid x comes from max_query_len). The heaviest (last) query
+// tiles launch first to shorten the causal tail.
 //
-// Inside the CTA: 4 warps x 16 query rows. The query tile is copied once to
-// shared memory and held as A fragments in registers; keys and values stream
-// in tiles of kKeyTokens through a double-buffered cp.async pipeline gathering
-// whole (block, kv head) rows through the block table (smem_tile.cuh). Each
-// warp computes S = Q K^T, the online softmax and O += P V in registers
-// (warp_attention.cuh); key tiles are 128 tokens for head dim 64 (see
-// kKeyTokens). Causality: query i of the chunk sits at position
-// seq_len - q_len + i (after the cached prefix); key tiles entirely in the
-// future of a CTA are never loaded, tiles entirely in the past skip the mask,
-// and a warp skips a tile in its own future. A sliding window W starts the
-// key tiles at the CTA's first query's window (position - W + 1), so keys
+// Inside the CTA: warps of 16 query rows each. The query tile is copied once
+// to shared memory and held as A fragments in registers; keys and values
+// stream in tiles of Shape::kKeys through a double-buffered cp.async pipeline
+// gathering whole (block, kv head) rows through the block table
+// (smem_tile.cuh). Each warp computes S = Q K^T, the online softmax and
+// O += P V in registers (warp_attention.cuh); key tiles are 128 tokens for
+// head dim 64 (see DefaultShape). Causality: query i of the chunk sits at
+// position seq_len - q_len + i (after the cached prefix); key tiles entirely
+// in the future of a CTA are never loaded, tiles entirely in the past skip the
+// mask, and a warp skips a tile in its own future. A sliding window W starts
+// the key tiles at the CTA's first query's window (position - W + 1), so keys
 // before every query's window are never loaded, and a warp skips tiles wholly
 // before its own rows' windows. Soft-capping maps the scores (ScoreMap).
 //
-// Numbers for one 4096-token causal prompt, 32 q / 8 kv heads, D 128, bf16:
+// Numbers for one 4096-token causal prompt, 32 q / 8 kv heads, D 128, bf16
+// (WideShape):
 //   4 * 4096^2 / 2 * 128 * 32 = 137 GFLOP useful (diagonal tiles add ~1.5 %);
-//   2048 CTAs, each streaming on average 32 K/V tiles of 32 KB from L2
-//   (2.1 GB of L2 traffic; HBM sees each kv head's 2 MB about once).
-//   Shared memory: 16 KB query + 2 x 32 KB stages = 80 KB, 2 CTAs per SM.
+//   1024 CTAs, each streaming on average 32 K/V tiles of 32 KB from L2
+//   (1.1 GB of L2 traffic; HBM sees each kv head's 2 MB about once).
+//   Shared memory: 32 KB query + 2 x 32 KB stages = 96 KB, one CTA per SM
+//   (251 registers a thread). ncu on the H200: the tensor pipe is busy 36 % of
+//   the time; a warp waits ~5.4 cycles between instructions, mostly on the
+//   fixed latencies of its own dependent mma / softmax / mma phases, which
+//   the other warp of its scheduler (in step with it, same CTA) cannot fill.
 #pragma once
 
 #include <cstdint>
@@ -41,25 +47,48 @@
 namespace pagedserve::cuda {
 namespace prefill {
 
-inline constexpr int kWarps = 4;
-inline constexpr int kThreads = kWarps * 32;
 inline constexpr int kWarpRows = 16;  // mma M
-inline constexpr int kQueryRows = kWarps * kWarpRows;
-inline constexpr int kStages = 2;
+
+// The shape of a CTA: warps (16 query rows each), keys per K / V tile,
+// cp.async stages, and the CTAs an SM is to hold (__launch_bounds__'s
+// register budget). bench/perf/probes/prefill_tiles.cu times candidates.
+template <int kWarps_, int kKeys_, int kStages_, int kCtasPerSm_>
+struct CtaShape {
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kQueryRows = kWarps * kWarpRows;
+  static constexpr int kKeys = kKeys_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kCtasPerSm = kCtasPerSm_;
+  static_assert(kStages >= 2, "the pipeline overlaps the next tile's copy with this tile's math");
+};
 
 // Keys per tile: 128 for head dim 64, the tile torch SDPA's cuDNN kernel uses
 // on Hopper there, so probabilities round at the same points and the output
 // is bit-identical to it (bench/numerics/sdpa_numerics.py); 64 for larger heads, to
 // keep two CTAs per SM.
 template <int kHeadDim>
-inline constexpr int kKeyTokens = kHeadDim <= 64 ? 128 : 64;
+using DefaultShape = CtaShape<4, kHeadDim <= 64 ? 128 : 64, 2, 2>;
 
-template <typename T, int kHeadDim>
+// Head dim 128 from kWideQueryLen query tokens: 8 warps (128 query rows) share
+// each K / V tile, so a tile's cp.async address work serves twice the rows
+// (~18 % fewer instructions); 1 CTA per SM keeps 8 warps an SM as before. H200,
+// one causal prompt, 32 / 8 heads, bf16 (bench/results/h200/session32.md):
+// 4096 tokens 218 -> 230 TFLOP/s, 2048 tokens +3 %, 1024 +0.5 % (short rows
+// leave more of the wider CTA idle). Every row's arithmetic is the default
+// shape's (same key tiles, same order), so a row's output does not depend on
+// which shape its batch ran. The probe's other candidates were slower: two row
+// tiles a warp (the query read from shared memory), 32-key tiles, 3 stages, or
+// 12-16 warps an SM at 128-168 registers.
+inline constexpr int kWideQueryLen = 2048;
+using WideShape = CtaShape<8, 64, 2, 1>;
+
+template <typename T, int kHeadDim, typename Shape>
 struct SharedLayout {
-  static constexpr int kQueryBytes = kQueryRows * kHeadDim * static_cast<int>(sizeof(T));
-  static constexpr int kTileElems = kKeyTokens<kHeadDim> * kHeadDim;
+  static constexpr int kQueryBytes = Shape::kQueryRows * kHeadDim * static_cast<int>(sizeof(T));
+  static constexpr int kTileElems = Shape::kKeys * kHeadDim;
   static constexpr int kStageBytes = 2 * kTileElems * static_cast<int>(sizeof(T));  // keys, then values
-  static constexpr int kBytes = kQueryBytes + kStages * kStageBytes;
+  static constexpr int kBytes = kQueryBytes + Shape::kStages * kStageBytes;
   static_assert(kQueryBytes % 16 == 0 && kStageBytes % 16 == 0, "tiles stay 16-byte aligned");
 };
 
@@ -83,10 +112,13 @@ __device__ __forceinline__ void store_rows(WarpAttentionState<kHeadDim>& state, 
   }
 }
 
-template <typename T, int kHeadDim, int kBlockSize>
-__global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(const PagedAttentionParams p) {
-  using Layout = SharedLayout<T, kHeadDim>;
-  constexpr int kKeys = kKeyTokens<kHeadDim>;
+template <typename T, int kHeadDim, int kBlockSize, typename Shape>
+__global__ void __launch_bounds__(Shape::kThreads, Shape::kCtasPerSm) prefill_attention_kernel(const PagedAttentionParams p) {
+  using Layout = SharedLayout<T, kHeadDim, Shape>;
+  constexpr int kKeys = Shape::kKeys;
+  constexpr int kQueryRows = Shape::kQueryRows;
+  constexpr int kThreads = Shape::kThreads;
+  constexpr int kStages = Shape::kStages;
   extern __shared__ __align__(16) unsigned char shared_bytes[];
   T* query_tile = reinterpret_cast<T*>(shared_bytes);
   T* stages = reinterpret_cast<T*>(shared_bytes + Layout::kQueryBytes);
@@ -176,16 +208,29 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(const Pa
 
 }  // namespace prefill
 
-// Launches the prefill kernel for rows [p.num_decodes, p.num_seqs).
+// Launches the prefill kernel for rows [p.num_decodes, p.num_seqs) with one CTA shape.
+template <typename T, int kHeadDim, int kBlockSize, typename Shape>
+void launch_prefill_attention_shaped(const PagedAttentionParams& p, cudaStream_t stream) {
+  using Layout = prefill::SharedLayout<T, kHeadDim, Shape>;
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.max_query_len, Shape::kQueryRows)),
+                  static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.num_seqs - p.num_decodes));
+  auto* kernel = prefill::prefill_attention_kernel<T, kHeadDim, kBlockSize, Shape>;
+  allow_dynamic_smem(kernel, Layout::kBytes, "prefill_attention_kernel");
+  kernel<<<grid, Shape::kThreads, Layout::kBytes, stream>>>(p);
+  check_launch("prefill_attention_kernel");
+}
+
+// Launches the prefill kernel for rows [p.num_decodes, p.num_seqs), its CTA
+// shape chosen from the longest query (outputs are the same either way).
 template <typename T, int kHeadDim, int kBlockSize>
 void launch_prefill_attention(const PagedAttentionParams& p, cudaStream_t stream) {
-  using Layout = prefill::SharedLayout<T, kHeadDim>;
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.max_query_len, prefill::kQueryRows)),
-                  static_cast<unsigned>(p.num_heads), static_cast<unsigned>(p.num_seqs - p.num_decodes));
-  auto* kernel = prefill::prefill_attention_kernel<T, kHeadDim, kBlockSize>;
-  allow_dynamic_smem(kernel, Layout::kBytes, "prefill_attention_kernel");
-  kernel<<<grid, prefill::kThreads, Layout::kBytes, stream>>>(p);
-  check_launch("prefill_attention_kernel");
+  if constexpr (kHeadDim == 128) {
+    if (p.max_query_len >= prefill::kWideQueryLen) {
+      launch_prefill_attention_shaped<T, kHeadDim, kBlockSize, prefill::WideShape>(p, stream);
+      return;
+    }
+  }
+  launch_prefill_attention_shaped<T, kHeadDim, kBlockSize, prefill::DefaultShape<kHeadDim>>(p, stream);
 }
 
 }  // namespace pagedserve::cuda

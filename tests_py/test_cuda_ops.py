@@ -513,6 +513,22 @@ def test_paged_attention_large_group_and_long_prefill(dtype):
     batch.check(batch.run_cuda(), seed, "group 32")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_long_prompts_take_wide_ctas_with_the_same_outputs(dtype):
+    """From 2048 query tokens at head dim 128 the prefill runs 8-warp CTAs (prefill::WideShape): a long chunk
+    after a prefix next to short rows is right, and every row comes out bit for bit as the 4-warp CTAs compute
+    it (the same batch launched with max_query_len raised to 2048, whose extra query tiles exit at once)."""
+    seed = fresh_seed()
+    seeded(seed)
+    long_batch = Batch([(1, 300), (2100, 2150), (70, 100)], 8, 2, 128, 16, dtype)
+    long_batch.check(long_batch.run_cuda(), seed, "long prompt", cpu=False)
+    batch = Batch([(1, 700), (300, 300), (129, 200), (5, 5)], 8, 2, 128, 16, dtype)
+    default_ctas = batch.run_cuda()
+    batch.max_query_len = 2048
+    wide_ctas = batch.run_cuda()
+    assert torch.equal(default_ctas, wide_ctas), f"rows {batch.rows} (seed {seed})"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (128, 32)])
 @pytest.mark.parametrize("window,softcap", [(1, 0.0), (37, 0.0), (300, 0.0), (5000, 0.0), (0, 5.0), (129, 30.0)])
@@ -676,6 +692,9 @@ def test_sanitizer_subset_attention(dtype):
     batch.check(batch.run_cuda(), seed, "sanitizer subset", cpu=False)
     small = Batch([(1, 1000)], 4, 1, 64, 32, dtype)
     small.check(small.run_cuda(workspace=small.workspace(num_seqs=64)), seed, "sanitizer small partitions", cpu=False)
+    if dtype != torch.float32:  # the 8-warp prefill CTAs (max_query_len >= prefill::kWideQueryLen)
+        batch.max_query_len = 2048
+        batch.check(batch.run_cuda(), seed, "sanitizer wide prefill", cpu=False)
 
 
 def test_sanitizer_subset_elementwise():

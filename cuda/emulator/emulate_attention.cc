@@ -150,6 +150,10 @@ void attention_option_cases() {
   attention_case({DType::kFloat16, 128, 16, 2, 4, {{1, 700}, {1, 70}, {70, 300}}, 0, 0, 0, {0, 5.f}});
   attention_case({DType::kFloat16, 64, 16, 4, 1, {{129, 129}, {20, 300}}, 0, 0, 0, {1, 0.f}});  // only itself
   attention_case({DType::kFloat16, 128, 16, 2, 4, {{1, 40}, {5, 20}}, 0, 0, 3, {8, 2.f}});
+  // From prefill::kWideQueryLen query tokens at D 128 the 8-warp CTA runs every prefill row: a chunk after a
+  // cached prefix whose window starts mid-tile (soft-capped), a short row beside it, and a whole causal prompt.
+  attention_case({DType::kBFloat16, 128, 16, 1, 2, {{1, 300}, {2100, 2150}, {70, 100}}, 0, 0, 0, {96, 5.f}});
+  attention_case({DType::kFloat16, 128, 16, 1, 1, {{2048, 2048}}});
 }
 
 }  // namespace emu_check
