@@ -86,24 +86,12 @@ int main(int argc, char** argv) {
     cudaMalloc(&out_default, q_elems * sizeof(T));
     cudaMalloc(&out_candidate, q_elems * sizeof(T));
 
-    PagedAttentionParams p{};
-    p.query = query;
-    p.key_cache = keys;
-    p.value_cache = values;
-    p.block_tables = block_table;
-    p.query_start_loc = starts;
-    p.seq_lens = lens;
-    p.scale = 1.f / std::sqrt(static_cast<float>(kHeadDim));
-    p.num_seqs = 1;
-    p.num_tokens = n;
-    p.num_heads = kHeads;
-    p.num_kv_heads = kKvHeads;
-    p.max_blocks_per_seq = blocks;
-    p.max_query_len = n;
-    p.max_seq_len = n;
-    p.num_decodes = 0;
-    p.window_span = 1 << 30;
-    p.softcap = 0.f;
+    PagedAttentionParams p{.out = nullptr, .query = query, .key_cache = keys, .value_cache = values,
+                           .block_tables = block_table, .query_start_loc = starts, .seq_lens = lens,
+                           .scale = 1.f / std::sqrt(static_cast<float>(kHeadDim)), .num_seqs = 1, .num_tokens = n,
+                           .num_heads = kHeads, .num_kv_heads = kKvHeads, .max_blocks_per_seq = blocks,
+                           .max_query_len = n, .max_seq_len = n, .num_decodes = 0, .window_span = 1 << 30,
+                           .softcap = 0.f, .fixed_split = false};
 
     p.out = out_default;
     launch_prefill_attention_shaped<T, kHeadDim, kBlock, Default>(p, nullptr);
