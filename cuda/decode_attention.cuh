@@ -2,7 +2,7 @@
 // flash-decoding with split-K partitions and a reduction kernel.
 //
 // decode_partition_kernel, grid (partition, kv head x head chunk, row):
-//   A CTA owns one partition (256..512 tokens) of one row's context for the
+//   A CTA owns one partition (256..16384 tokens) of one row's context for the
 //   query heads that share one kv head (up to 16 per CTA: the M of
 //   mma.m16n8k16, zero-padded for smaller groups), so every K/V tile is read
 //   from HBM once per GQA group. The partition streams through shared memory
@@ -53,7 +53,13 @@ inline constexpr int kHeadsPerCta = 16;  // mma M
 inline constexpr int kWarpTokens = 16;   // one k-step of P V per warp and chunk
 inline constexpr int kChunkTokens = kWarps * kWarpTokens;
 inline constexpr int kStages = 3;
-inline constexpr int kMaxPartitionTokens = 512;
+// A plan's partitions (paged_attention.cu, plan_partition_tokens): the whole
+// context (up to kLongestPartitionTokens) where the rows alone fill the card,
+// halved while the grid has fewer than two CTAs an SM, down to
+// kMinPartitionTokens; the fixed split (batch invariance) always cuts
+// kFixedPartitionTokens, which also sizes the workspace's worst case.
+inline constexpr int kFixedPartitionTokens = 512;
+inline constexpr int kLongestPartitionTokens = 16384;
 inline constexpr int kMinPartitionTokens = 256;  // shorter contexts stay one chain (see above)
 inline constexpr int kProbStride = kChunkTokens + 8;  // floats per probability row: spreads rows over banks
 

@@ -3,16 +3,22 @@
 // dispatch onto the kernels (decode_attention.cuh, prefill_attention.cuh,
 // attention_f32.cuh).
 //
-// Split-K plan: partitions of 512 tokens by default; when the decode grid
-// (rows x kv heads x partitions) would not fill the GPU twice over, the
-// partitions halve (down to 256 tokens: a shorter context stays one chain, as
-// cuDNN computes it; decode_attention.cuh) as long as the caller's workspace
-// holds the extra partials. Everything the plan reads is fixed for a captured
+// Split-K plan: one partition a row (the longest context rounded up to a power
+// of two, 512..16384 tokens) while the decode grid (rows x kv heads x
+// partitions) fills the GPU twice over: a large batch writes no partials and
+// launches no reduce kernel (H200, Qwen3-0.6B shape, 256 rows of 100..2048
+// tokens: +1-2 % tok/s; 64 rows x 4096 tokens 93 -> 101 % of the copy
+// bandwidth; bench/results/h200/session32.md). Otherwise the partitions halve
+// (down to 256 tokens: a shorter context stays one chain, as cuDNN computes
+// it; decode_attention.cuh) as long as the caller's workspace holds the extra
+// partials. Everything the plan reads is fixed for a captured
 // CUDA graph: host bounds, the workspace size and the SM count. A sliding
 // window W bounds each decode row's context by W, so the plan (and the grid)
 // sizes from min(max_seq_len, W). options.fixed_split keeps 512-token
 // partitions whatever the batch: a row's partials, and so its result, then
 // depend on its own context alone (empty partitions weigh exactly 0).
+#include <algorithm>
+#include <bit>
 #include <climits>
 #include <type_traits>
 
@@ -52,8 +58,12 @@ int plan_partition_tokens(const PagedAttentionParams& p, int head_dim, size_t wo
   const int64_t ctas_per_partition =
       static_cast<int64_t>(p.num_decodes) * p.num_kv_heads * ceil_div(group_size, decode::kHeadsPerCta);
   const int64_t target_ctas = 2 * static_cast<int64_t>(multiprocessor_count(device));
-  int partition_tokens = decode::kMaxPartitionTokens;
-  while (!p.fixed_split && partition_tokens > decode::kMinPartitionTokens) {
+  if (p.fixed_split) return decode::kFixedPartitionTokens;
+  // One partition a row where that fills the card: no partial results and no reduce kernel (a
+  // large batch's case), else halved as below.
+  int partition_tokens = std::clamp(static_cast<int>(std::bit_ceil(static_cast<unsigned>(std::max(context, 1)))),
+                                    decode::kFixedPartitionTokens, decode::kLongestPartitionTokens);
+  while (partition_tokens > decode::kMinPartitionTokens) {
     if (ctas_per_partition * ceil_div(context, partition_tokens) >= target_ctas) break;
     const int finer = ceil_div(context, partition_tokens / 2);
     if (finer > 1 && split_bytes(p.num_decodes, p.num_heads, head_dim, finer) > workspace_bytes) break;
@@ -123,7 +133,7 @@ size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim
   PS_REQUIRE(num_seqs >= 0 && num_heads >= 0 && head_dim >= 0, "paged_attention_workspace_bytes",
                "num_seqs, num_heads and head_dim must be >= 0");
   if (max_seq_len <= 0) return 0;
-  return split_bytes(num_seqs, num_heads, head_dim, ceil_div(max_seq_len, decode::kMaxPartitionTokens));
+  return split_bytes(num_seqs, num_heads, head_dim, ceil_div(max_seq_len, decode::kFixedPartitionTokens));
 }
 
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,

@@ -484,6 +484,18 @@ def test_paged_attention_long_decode_split_k(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_many_long_decodes_take_one_partition_a_row(dtype):
+    """Rows enough to fill the card (40 rows x 8 kv heads >= 2 CTAs an SM up to 160 SMs) read their whole
+    context (600-2000 tokens, past the fixed split's 512) in one partition: no partials, no reduce kernel;
+    a short row and a prefill beside them."""
+    seed = fresh_seed()
+    seeded(seed)
+    rows = [(1, random.randint(600, 2000)) for _ in range(40)] + [(1, 3), (37, 900)]
+    batch = Batch(rows, 16, 8, 128, 16, dtype)
+    batch.check(batch.run_cuda(), seed, "one partition a row", cpu=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_paged_attention_small_partitions_with_large_workspace(dtype):
     """A workspace sized for many rows lets a small batch split its long context into 256-token partitions."""
     seed = fresh_seed()
@@ -666,10 +678,16 @@ def test_paged_attention_workspace_bytes():
 
 
 def test_paged_attention_rejects_bad_arguments():
-    seeded(fresh_seed())
+    seed = fresh_seed()
+    seeded(seed)
+    tiny_workspace = torch.empty(1, dtype=torch.float32, device="cuda")
     batch = Batch([(1, 700), (3, 10)], 8, 2, 128, 16, torch.bfloat16)
+    # A workspace too small to split a context leaves it in one partition (slower, the same attention) ...
+    batch.check(batch.run_cuda(workspace=tiny_workspace), seed, "unsplit", cpu=False)
+    # ... up to the longest partition, 16384 tokens: a longer context needs the workspace.
+    long_row = Batch([(1, 20000)], 8, 2, 128, 16, torch.bfloat16)
     with pytest.raises(ValueError, match="workspace"):
-        batch.run_cuda(workspace=torch.empty(1, dtype=torch.float32, device="cuda"))
+        long_row.run_cuda(workspace=tiny_workspace)
     with pytest.raises(ValueError, match="head_dim"):
         odd = Batch([(1, 5)], 2, 1, 96, 16, torch.bfloat16)
         odd.run_cuda()

@@ -135,6 +135,11 @@ void attention_cases() {
   attention_case({DType::kBFloat16, 128, 16, 2, 4, {{1, 1}, {1, 2}, {1, 64}, {1, 65}}, 0, 256});  // decode only
   attention_case({DType::kFloat16, 128, 16, 2, 4, {{1, 40}, {5, 20}}, 0, 0, 3});
   attention_case({DType::kFloat32, 128, 16, 2, 4, {{1, 40}, {5, 20}}, 0, 0, 3});
+  // 34 rows x 8 kv heads fill the emulated card's 2 x 132 CTAs: one 2048-token partition a row (contexts past
+  // the fixed split's 512), written without partials or the reduce kernel.
+  std::vector<Row> many;
+  for (int i = 0; i < 34; ++i) many.push_back({1, 520 + 15 * i});
+  attention_case({DType::kBFloat16, 64, 16, 8, 1, many});
 }
 
 void attention_option_cases() {
