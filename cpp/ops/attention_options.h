@@ -24,9 +24,10 @@ struct AttentionOptions {
   int32_t window = 0;    // 0: full causal attention
   float softcap = 0.0f;  // 0: no capping
   // CUDA: split each decode row's context into fixed 512-token partitions
-  // instead of finer ones when the batch is small, so a row's result does not
-  // depend on the batch (--batch-invariant). The CPU kernel always reduces a
-  // row in an order fixed by the row alone.
+  // instead of the plan's (whole contexts when the batch fills the card, finer
+  // ones when it is small), so a row's result does not depend on the batch
+  // (--batch-invariant). The CPU kernel always reduces a row in an order fixed
+  // by the row alone.
   bool fixed_split = false;
 
   // The first position a query at `position` sees.
