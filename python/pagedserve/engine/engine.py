@@ -153,8 +153,7 @@ class LLMEngine:
         """Drops requests; their KV blocks return to the pool at once. Returns the outputs that end
         the ones still unfinished (finish_reason "abort"); step() hands back nothing more for them."""
         finals = []
-        self._commit_advanced()
-        self._record_last_step()  # the tokens sampled last belong in the final outputs
+        self._catch_up()  # the tokens sampled last belong in the final outputs
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
             request = self.requests.pop(rid, None)
             self._recorder.forget(rid)
@@ -183,8 +182,7 @@ class LLMEngine:
         self._note_schedule(out)
         matchers: list = []  # (row, grammar) of the step's constrained rows, filled by the launch
         pending = self._launch(out, matchers) if out.num_seqs else None
-        self._commit_advanced()  # the last step's tokens, while the device runs this one
-        self._record_last_step()  # if the launch did not
+        self._catch_up()  # the last step's tokens, while the device runs this one, if the launch did not
         outputs = self._recorder.emit()  # overlaps the device's work on this step
         if pending is not None and self._may_run_ahead(out, pending, matchers):
             self.scheduler.advance()
@@ -196,8 +194,7 @@ class LLMEngine:
             result = self.scheduler.update(np.asarray(sampled.token_ids, dtype=np.int32))
             self._unrecorded = (out, sampled, result, time.monotonic())
         if not self.scheduler.has_unfinished():
-            self._commit_advanced()  # a step whose every row was stopped or aborted meanwhile
-            self._record_last_step()
+            self._catch_up()  # a step whose every row was stopped or aborted meanwhile
             outputs += self._recorder.emit()  # nothing left to overlap with
         return outputs
 
@@ -209,6 +206,11 @@ class LLMEngine:
         tok/s, tools auto 38.1k -> 31.8k; bench/results/h200/session31.md), so they keep the plain order."""
         return (self._run_ahead and not matchers and pending.device_ids is not None
                 and out.total_samples == len(out.sample_rows) and self._prompt_logprobs.idle)
+
+    def _catch_up(self) -> None:
+        """Every step's tokens into the scheduler and onto the requests (waiting for an advanced step's)."""
+        self._commit_advanced()
+        self._record_last_step()
 
     def _commit_advanced(self) -> None:
         """The advanced step's tokens into the scheduler (waiting for them); recorded with the next record."""
@@ -254,8 +256,9 @@ class LLMEngine:
 
     def _sampling_rows(self, out, matchers: list) -> list:
         """The step's SamplingRows; (row, matcher) of the rows under a grammar are added to `matchers`."""
-        self._commit_advanced()  # run-ahead: the forward is queued, so the last step's tokens may be awaited
-        self._record_last_step()  # the rows' samples, penalties and grammars take the last step's tokens
+        # Run-ahead: the forward is queued, so the last step's tokens may be awaited; the rows' samples,
+        # penalties and grammars take them.
+        self._catch_up()
         rows = []
         seq_ids = out.seq_ids.tolist()  # plain ints: a numpy scalar per row costs more than the lookup
         for row, n in zip(out.sample_rows.tolist(), out.num_samples.tolist()):

@@ -63,7 +63,7 @@ class PendingSamples:
         self._host, self._event, self._finish, self._output = host, event, finish, output
         self.prompt_logprobs: Optional["PendingSamples"] = None  # the step's prompt logprobs (model runner)
         # The sampled ids where the device left them, one per sample (int32): the next step's inputs when the
-        # engine runs ahead (StepInputs.take_deferred). None where a draw may still change on the host.
+        # engine runs ahead (StepInputs.prepare). None where a draw may still change on the host.
         self.device_ids = device_ids
 
     @classmethod

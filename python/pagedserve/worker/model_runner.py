@@ -74,12 +74,10 @@ class ModelRunner:
         """The logits of the step's sample rows, and the pending prompt logprobs of `prompt_plan`."""
         graph = self.graphs.lookup(step) if self.graphs is not None and prompt_plan is None else None
         if graph is not None:
-            logits_indices = self.inputs.prepare_replay(step, graph.batch_size)
-            self.inputs.take_deferred(step, last_ids)
+            logits_indices = self.inputs.prepare_replay(step, graph.batch_size, last_ids)
             hidden = graph.replay()
         else:
-            input_ids, positions, attn, logits_indices = self.inputs.prepare(step)
-            self.inputs.take_deferred(step, last_ids)
+            input_ids, positions, attn, logits_indices = self.inputs.prepare(step, last_ids)
             hidden = self.model.forward(input_ids, positions, attn, self.kv_cache)
         logits = self.model.compute_logits(_logit_rows(hidden, logits_indices))
         if prompt_plan is None:

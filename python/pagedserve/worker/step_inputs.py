@@ -14,7 +14,7 @@ chunks replayed CUDA graphs, which leave the host ahead of the device).
 
 When the engine runs ahead, some input ids are the previous step's samples,
 still on the device: the step names them (deferred_tokens / deferred_samples,
-cpp/scheduler.h) and take_deferred() gathers them into input_ids after the
+cpp/scheduler.h) and prepare() gathers them into input_ids after the
 copy, in stream order, before the forward reads them.
 """
 
@@ -79,20 +79,22 @@ class StepInputs:
         seg = self._segments[name]
         return self._host_np[seg.offset:seg.offset + seg.capacity]
 
-    def prepare(self, step) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Copies the step to the device for an eager forward. Returns (input_ids, positions, attn,
-        logits_indices)."""
-        num_logits = self._fill(step, step.num_seqs)
+    def prepare(self, step, last_ids: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Copies the step to the device for an eager forward (`last_ids`: the previous step's device-side
+        samples, where the engine ran ahead of it). Returns (input_ids, positions, attn, logits_indices)."""
+        num_logits = self._fill(step, step.num_seqs, last_ids)
         attn = self._metadata(step.num_seqs, step.num_tokens, step.max_query_len, step.max_seq_len,
                               step.num_decodes)
         return (self._view("input_ids")[:step.num_tokens], self._view("positions")[:step.num_tokens], attn,
                 self.logits_indices(num_logits))
 
-    def prepare_replay(self, step, padded_num_seqs: int) -> torch.Tensor:
+    def prepare_replay(self, step, padded_num_seqs: int, last_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Copies a decode-only step to the device for a CUDA graph captured at padded_num_seqs rows (its
-        views are the graph's; rows past the step are padding that writes no KV and attends to nothing).
-        Returns logits_indices. No views are built: ~8 tensor slices, ~30 us of a step's host time."""
-        return self.logits_indices(self._fill(step, padded_num_seqs))
+        views are the graph's; rows past the step are padding that writes no KV and attends to nothing;
+        `last_ids` as in prepare). Returns logits_indices. No views are built: ~8 tensor slices, ~30 us of
+        a step's host time."""
+        return self.logits_indices(self._fill(step, padded_num_seqs, last_ids))
 
     def logits_indices(self, num_logits: int) -> torch.Tensor:
         """The device view of the first num_logits logits indices (made once per count)."""
@@ -101,9 +103,9 @@ class StepInputs:
             view = self._logits_views[num_logits] = self._view("logits_indices")[:num_logits]
         return view
 
-    def _fill(self, step, rows: int) -> int:
+    def _fill(self, step, rows: int, last_ids: Optional[torch.Tensor]) -> int:
         """The step's arrays (padded to `rows` one-token rows) into the host buffer, then one copy of the
-        used part to the device. Returns the number of logits indices."""
+        used part to the device, then the deferred input ids. Returns the number of logits indices."""
         num_seqs, num_tokens = step.num_seqs, step.num_tokens
         if num_tokens > self.max_num_tokens or num_seqs > self.max_num_seqs or rows > self.max_num_seqs:
             raise ValueError(f"step of {num_tokens} tokens / {num_seqs} seqs exceeds the runner's buffers")
@@ -137,14 +139,13 @@ class StepInputs:
         if self._copied is not None:
             self._device[:used].copy_(self._host[:used], non_blocking=True)
             self._copied.record()
+        if num_deferred:
+            self._take_deferred(num_deferred, last_ids)
         return num_logits
 
-    def take_deferred(self, step, last_ids: Optional[torch.Tensor]) -> None:
+    def _take_deferred(self, num_deferred: int, last_ids: Optional[torch.Tensor]) -> None:
         """Puts the previous step's device-side samples (`last_ids`, int32, one per sample) where the step's
-        deferred input ids go. Call after prepare() / prepare_replay(), before the forward."""
-        num_deferred = len(step.deferred_tokens)
-        if not num_deferred:
-            return
+        deferred input ids go, after the copy (stream order), before the forward."""
         if last_ids is None:
             raise RuntimeError("the step takes input ids from the previous step's samples, which were not given")
         tokens = self._view("deferred_tokens")[:num_deferred]
