@@ -17,6 +17,9 @@ struct PagedAttentionParams {
   const int32_t* block_tables;      // [S, max_blocks_per_seq]
   const int32_t* query_start_loc;   // [S + 1]
   const int32_t* seq_lens;          // [S]
+  // [num_decodes]: the decode rows in the order their CTAs launch (the runner puts the longest contexts
+  // first), or null for row order. Entries outside [0, num_decodes) are skipped.
+  const int32_t* decode_order;
   float scale;
   int num_seqs;
   int num_tokens;

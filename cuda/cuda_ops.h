@@ -72,12 +72,18 @@ void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies, cud
 // natural; there is no uint8), 16-byte aligned; it may be empty (no data) when
 // max_seq_len fits one partition. A larger workspace lets small batches split
 // into finer partitions. Tokens past query_start_loc[S] are not written.
+// decode_order: empty (no data), or int32 [>= num_decodes] on the device, a
+// permutation of [0, num_decodes) naming the decode rows in the order their
+// CTAs launch. A batch of mixed contexts finishes sooner longest first (H200,
+// 128 rows of 600..2048 tokens: 89 -> 98 % of the copy bandwidth), since the
+// short rows then fill the last wave; entries out of range are skipped.
 // options: sliding window and soft-capping (cpp/ops/attention_options.h); a
 // window also bounds the decode grid and workspace use by min(max_seq_len, W).
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
-                     const TensorView& workspace, const ops::AttentionOptions& options, cudaStream_t stream);
+                     const TensorView& workspace, const TensorView& decode_order, const ops::AttentionOptions& options,
+                     cudaStream_t stream);
 
 // Bytes of split-K scratch paged_attention needs for num_seqs decode rows:
 // float32 partial outputs plus a running max and sum per (row, head, partition).

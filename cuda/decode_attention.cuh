@@ -1,7 +1,8 @@
 // Decode paged attention (rows with one query; float16 / bfloat16):
 // flash-decoding with split-K partitions and a reduction kernel.
 //
-// decode_partition_kernel, grid (partition, kv head x head chunk, row):
+// decode_partition_kernel, grid (partition, kv head x head chunk, row in
+// p.decode_order, which the runner sorts longest context first):
 //   A CTA owns one partition (256..16384 tokens) of one row's context for the
 //   query heads that share one kv head (up to 16 per CTA: the M of
 //   mma.m16n8k16, zero-padded for smaller groups), so every K/V tile is read
@@ -223,7 +224,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   wait_for_previous_kernel();  // launched dependent: the query comes from the kernel before
   let_next_kernel_launch();
-  const int row = static_cast<int>(blockIdx.z);
+  const int row = p.decode_order == nullptr ? static_cast<int>(blockIdx.z) : p.decode_order[blockIdx.z];
+  if (row < 0 || row >= p.num_decodes) return;  // a malformed order: skipped, never read past the batch
   const int partition = static_cast<int>(blockIdx.x);
   const HeadRange heads = cta_heads(p);
   const int seq_len = p.seq_lens[row];

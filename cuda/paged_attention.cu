@@ -127,6 +127,17 @@ AttentionShape checked_attention_shape(const TensorView& out, const TensorView& 
   return shape;
 }
 
+// The launch order of the decode rows, or null (row order) when none is given.
+const int32_t* checked_decode_order(const TensorView& order, int num_decodes, int device) {
+  if (order.data == nullptr) return nullptr;
+  ops::require_tensor_of(kOp, "decode_order", order, ops::Device::kCUDA, 1, ops::DType::kInt32);
+  PS_REQUIRE(order.device_index == device, kOp, "decode_order must be on the device of the other tensors");
+  PS_REQUIRE(order.size(0) >= num_decodes, kOp,
+             "decode_order holds " + std::to_string(order.size(0)) + " rows but num_decodes is " +
+                 std::to_string(num_decodes));
+  return order.ptr<const int32_t>();
+}
+
 }  // namespace
 
 size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_seq_len) {
@@ -139,7 +150,8 @@ size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
-                     const TensorView& workspace, const ops::AttentionOptions& options, cudaStream_t stream) {
+                     const TensorView& workspace, const TensorView& decode_order, const ops::AttentionOptions& options,
+                     cudaStream_t stream) {
   const AttentionShape shape =
       checked_attention_shape(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, options);
   const int num_prefills = shape.num_seqs - num_decodes;
@@ -161,6 +173,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   params.block_tables = block_tables.ptr<const int32_t>();
   params.query_start_loc = query_start_loc.ptr<const int32_t>();
   params.seq_lens = seq_lens.ptr<const int32_t>();
+  params.decode_order = checked_decode_order(decode_order, num_decodes, query.device_index);
   params.scale = scale;
   params.num_seqs = shape.num_seqs;
   params.num_tokens = shape.num_tokens;

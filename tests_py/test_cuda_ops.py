@@ -47,10 +47,11 @@ def _args(args):
     return [to_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args]
 
 
-def cuda_op(name, *args, stream=None):
+def cuda_op(name, *args, stream=None, **options):
     """Runs pagedserve._core.cuda_ops.<name> on `stream` (default: the current one)."""
     stream = stream if stream is not None else torch.cuda.current_stream()
-    getattr(_core.cuda_ops, name)(*_args(args), stream=stream.cuda_stream)
+    options = {key: to_dlpack(v) if isinstance(v, torch.Tensor) else v for key, v in options.items()}
+    getattr(_core.cuda_ops, name)(*_args(args), stream=stream.cuda_stream, **options)
 
 
 def cpu_op(name, *args):
@@ -385,14 +386,14 @@ class Batch:
             self.max_seq_len if max_seq_len is None else max_seq_len)
         return torch.empty(math.ceil(nbytes / 4), dtype=torch.float32, device="cuda")
 
-    def run_cuda(self, out=None, max_seq_len=None, workspace=None, stream=None, query=None):
+    def run_cuda(self, out=None, max_seq_len=None, workspace=None, stream=None, query=None, decode_order=None):
         query = self.query if query is None else query
         out = nan_like(query) if out is None else out
         max_seq_len = self.max_seq_len if max_seq_len is None else max_seq_len
         workspace = self.workspace(max_seq_len) if workspace is None else workspace
         cuda_op("paged_attention", out, query, self.key_cache, self.value_cache, self.block_tables,
                 self.query_start_loc, self.seq_lens, self.scale, self.max_query_len, max_seq_len,
-                self.num_decodes, workspace, self.window, self.softcap, stream=stream)
+                self.num_decodes, workspace, self.window, self.softcap, stream=stream, decode_order=decode_order)
         return out
 
     def run_cpu(self):
@@ -493,6 +494,22 @@ def test_paged_attention_many_long_decodes_take_one_partition_a_row(dtype):
     rows = [(1, random.randint(600, 2000)) for _ in range(40)] + [(1, 3), (37, 900)]
     batch = Batch(rows, 16, 8, 128, 16, dtype)
     batch.check(batch.run_cuda(), seed, "one partition a row", cpu=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention_decode_order_changes_no_bit(dtype):
+    """Decode rows launched longest context first (the runner's decode_order), in one partition a row and
+    split, give the bits of row order; a prefill row beside them is not in the order."""
+    seed = fresh_seed()
+    seeded(seed)
+    rows = [(1, random.randint(100, 2000)) for _ in range(40)] + [(1, 1), (37, 900)]
+    batch = Batch(rows, 16, 8, 128, 16, dtype)
+    longest_first = torch.argsort(batch.seq_lens[:41].cpu(), descending=True, stable=True).int().cuda()
+    for workspace in (None, batch.workspace(num_seqs=256)):  # the second splits the long rows
+        plain = batch.run_cuda(workspace=workspace)
+        ordered = batch.run_cuda(workspace=workspace, decode_order=longest_first)
+        assert torch.equal(ordered, plain), f"seed {seed}"
+    batch.check(ordered, seed, "longest first", cpu=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -688,6 +705,11 @@ def test_paged_attention_rejects_bad_arguments():
     long_row = Batch([(1, 20000)], 8, 2, 128, 16, torch.bfloat16)
     with pytest.raises(ValueError, match="workspace"):
         long_row.run_cuda(workspace=tiny_workspace)
+    two_decodes = Batch([(1, 700), (1, 10)], 8, 2, 128, 16, torch.bfloat16)
+    with pytest.raises(ValueError, match="decode_order holds 1 rows but num_decodes is 2"):
+        two_decodes.run_cuda(decode_order=torch.zeros(1, dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="decode_order"):
+        two_decodes.run_cuda(decode_order=torch.zeros(2, dtype=torch.int64, device="cuda"))
     with pytest.raises(ValueError, match="head_dim"):
         odd = Batch([(1, 5)], 2, 1, 96, 16, torch.bfloat16)
         odd.run_cuda()

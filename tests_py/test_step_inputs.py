@@ -17,6 +17,26 @@ def decode_step(num_seqs: int):
     return s.schedule()
 
 
+def test_decode_rows_launch_longest_context_first_padding_last():
+    """The attention kernel's launch order (cuda/cuda_ops.h decode_order): the decode rows by falling context,
+    ties in row order, the padding rows of a graph's batch last; a prefill row is not in it."""
+    s = _core.Scheduler(_core.SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=8,
+                                              max_num_batched_tokens=64, watermark=0.0))
+    for prompt_len in (3, 9, 5, 9):
+        s.add_sequence(list(range(1, prompt_len + 1)), max_tokens=8)
+    s.update(np.full(s.schedule().total_samples, 7, dtype=np.int32))
+    s.add_sequence([1, 2, 3, 4, 5, 6], max_tokens=8)  # a prefill row after the four decodes
+    step = s.schedule()
+    assert step.num_decodes == 4 and step.num_seqs == 5 and step.seq_lens.tolist() == [4, 10, 6, 10, 6]
+    inputs = StepInputs(max_num_tokens=64, max_num_seqs=8, max_blocks_per_seq=4, device=torch.device("cpu"))
+    attn = inputs.prepare(step)[2]
+    assert attn.decode_order.tolist() == [1, 3, 2, 0]
+    s.update(np.full(step.total_samples, 7, dtype=np.int32))
+    step = s.schedule()  # five decodes, replayed in a graph of 8 rows
+    inputs.prepare_replay(step, 8)
+    assert inputs.decode_views(8, max_seq_len=16)[2].decode_order.tolist() == [1, 3, 2, 4, 0, 5, 6, 7]
+
+
 def test_padded_decode_rows_write_nothing_and_attend_to_nothing():
     step = decode_step(3)
     assert step.num_decodes == 3

@@ -5,7 +5,8 @@ Measures in one run, on one GPU:
   * the bf16 matmul rate (8192^3 torch.matmul on random data);
   * the decode attention kernel (64 rows x 4096 tokens, 32 q / 8 kv heads,
     D 128, bf16: achieved GB/s and % of the copy bandwidth; target >= 70 %)
-    and a batch x context sweep;
+    and a batch x context sweep; batches of mixed contexts (Qwen3-0.6B's
+    16 / 8 heads) in row order and longest first (the runner's decode_order);
   * the prefill kernel (one causal prompt of 4096 tokens, 32 / 8 heads, D 128,
     bf16: TFLOP/s and % of the matmul rate, FLOPs = 4 * S^2 / 2 * D * Hq;
     target >= 25 %), also at 1024 and 2048 tokens;
@@ -40,9 +41,10 @@ PREFILL_TARGET = 0.25  # of the bf16 matmul rate
 ROTATE_BYTES = 512 << 20  # rotate inputs over at least this much memory (H100/H200 L2: 50-60 MB)
 
 
-def cuda_op(name, *args):
+def cuda_op(name, *args, **options):
     args = [to_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args]
-    getattr(_core.cuda_ops, name)(*args, stream=torch.cuda.current_stream().cuda_stream)
+    options = {key: to_dlpack(v) if isinstance(v, torch.Tensor) else v for key, v in options.items()}
+    getattr(_core.cuda_ops, name)(*args, stream=torch.cuda.current_stream().cuda_stream, **options)
 
 
 def time_per_call_ms(calls, rounds: int, repeat: int) -> float:
@@ -115,12 +117,14 @@ class PagedProblem:
     """Rows of one query token (decode) or one long prompt (prefill) over a paged bf16 cache.
 
     `copies` disjoint block-table variants cover different regions of the pool,
-    so consecutive launches do not find their keys in L2.
+    so consecutive launches do not find their keys in L2. `lens`: each row's
+    context (default: seq_len for every row).
     """
 
     def __init__(self, num_rows, q_len, seq_len, hq=32, hkv=8, head_dim=128, block_size=16, copies=1,
-                 dtype=torch.bfloat16, window=0):
+                 dtype=torch.bfloat16, window=0, lens=None):
         self.num_rows, self.q_len, self.seq_len, self.window = num_rows, q_len, seq_len, window
+        self.lens = [seq_len] * num_rows if lens is None else lens
         self.hq, self.hkv, self.head_dim = hq, hkv, head_dim
         blocks_per_row = math.ceil(seq_len / block_size)
         blocks_per_copy = num_rows * blocks_per_row
@@ -135,22 +139,23 @@ class PagedProblem:
         self.query = torch.randn(self.num_tokens, hq, head_dim, device="cuda", dtype=dtype)
         self.out = torch.empty_like(self.query)
         self.query_start_loc = torch.arange(0, self.num_tokens + 1, q_len, device="cuda", dtype=torch.int32)
-        self.seq_lens = torch.full((num_rows,), seq_len, device="cuda", dtype=torch.int32)
+        self.seq_lens = torch.tensor(self.lens, device="cuda", dtype=torch.int32)
         self.num_decodes = num_rows if q_len == 1 else 0
         # Sized like the engine's: for its max_num_seqs rows (256), so small batches may split finer.
         nbytes = _core.cuda_ops.paged_attention_workspace_bytes(max(256, self.num_decodes), hq, head_dim, seq_len)
         self.workspace = torch.empty(max(1, math.ceil(nbytes / 4)), device="cuda", dtype=torch.float32)
 
-    def calls(self):
+    def calls(self, decode_order=None):
         def run(table):
             cuda_op("paged_attention", self.out, self.query, self.key_cache, self.value_cache, table,
                     self.query_start_loc, self.seq_lens, self.head_dim**-0.5, self.q_len, self.seq_len,
-                    self.num_decodes, self.workspace, self.window, 0.0)
+                    self.num_decodes, self.workspace, self.window, 0.0, decode_order=decode_order)
         return [lambda t=t: run(t) for t in self.tables]
 
     def kv_bytes(self):  # a sliding window reads only its last `window` keys per decode row
-        context = min(self.seq_len, self.window) if self.window and self.q_len == 1 else self.seq_len
-        return 2 * self.num_rows * context * self.hkv * self.head_dim * self.key_cache.element_size()
+        windowed = self.window and self.q_len == 1
+        tokens = sum(min(n, self.window) if windowed else n for n in self.lens)
+        return 2 * tokens * self.hkv * self.head_dim * self.key_cache.element_size()
 
     def io_bytes(self):  # K/V + Q read, out written
         return self.kv_bytes() + 2 * self.query.numel() * self.query.element_size()
@@ -165,6 +170,22 @@ def decode_case(batch, context, args, window=0):
     ms = time_per_call_ms(problem.calls(), rounds=max(1, 8 // len(problem.tables)), repeat=args.repeat)
     gbs = problem.io_bytes() / (ms * 1e-3) / 1e9
     return {"batch": batch, "context": context, "window": window, "ms": ms, "gb_per_s": gbs}
+
+
+def mixed_decode_cases(batch, shortest, longest, args):
+    """Decode rows of random contexts in [shortest, longest] (Qwen3-0.6B's 16 / 8 heads, D 128): launched in
+    row order, then longest first (the runner's decode_order). The same bytes either way."""
+    lens = torch.randint(shortest, longest + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    copies = max(1, math.ceil(ROTATE_BYTES / (2 * sum(lens) * 8 * 128 * 2)))
+    problem = PagedProblem(batch, 1, longest, hq=16, copies=min(copies, 64), lens=lens)
+    longest_first = torch.argsort(problem.seq_lens, descending=True, stable=True).int()
+    rows = []
+    for order, decode_order in (("row order", None), ("longest first", longest_first)):
+        ms = time_per_call_ms(problem.calls(decode_order), rounds=max(1, 8 // len(problem.tables)),
+                              repeat=args.repeat)
+        rows.append({"batch": batch, "contexts": f"{shortest}..{longest}", "order": order, "ms": ms,
+                     "gb_per_s": problem.io_bytes() / (ms * 1e-3) / 1e9})
+    return rows
 
 
 def prefill_case(seq_len, args):
@@ -274,6 +295,10 @@ def markdown(results) -> str:
                    [[str(r["batch"]), str(r["context"]), f"{r['ms']:.4f}", f"{r['gb_per_s']:.0f}",
                      f"{100 * r['fraction_of_copy']:.1f} %"] for r in results["decode_sweep"]])
     lines += target_line("64 x 4096", results["decode_target"], "copy bandwidth", DECODE_TARGET)
+    lines += table("Decode attention, mixed contexts (16 q / 8 kv heads, D 128, bf16, block 16)",
+                   ["batch", "contexts", "launch order", "time (ms)", "GB/s", "% of copy"],
+                   [[str(r["batch"]), r["contexts"], r["order"], f"{r['ms']:.4f}", f"{r['gb_per_s']:.0f}",
+                     f"{100 * r['fraction_of_copy']:.1f} %"] for r in results["decode_mixed"]])
     lines += table("Prefill attention (one causal prompt, 32 q / 8 kv heads, D 128, bf16)",
                    ["tokens", "time (ms)", "TFLOP/s", "% of matmul"],
                    [[str(r["seq_len"]), f"{r['ms']:.3f}", f"{r['tflops']:.0f}",
@@ -314,6 +339,14 @@ def main():
     for row in results["decode_window"]:
         print(f"decode   64 x  8192, window {row['window']:5d}: {row['ms']:.4f} ms  {row['gb_per_s']:6.0f} GB/s",
               flush=True)
+    mixed = []
+    for batch, shortest, longest in ((256, 100, 2048), (128, 600, 2048), (64, 1000, 2048)):
+        for row in mixed_decode_cases(batch, shortest, longest, args):
+            row["fraction_of_copy"] = row["gb_per_s"] / results["copy_gb_per_s"]
+            mixed.append(row)
+            print(f"decode {batch:4d} x {row['contexts']}, {row['order']:13s}: {row['ms']:.4f} ms  "
+                  f"{row['gb_per_s']:6.0f} GB/s  {100 * row['fraction_of_copy']:5.1f} % of copy", flush=True)
+    results["decode_mixed"] = mixed
     target = decode_case(64, 4096, args)
     fraction = target["gb_per_s"] / results["copy_gb_per_s"]
     results["decode_target"] = {**target, "fraction": fraction, "pass": fraction >= DECODE_TARGET}

@@ -49,13 +49,13 @@ struct OnHost<fn> {
   static void call(Params... args, HostStream) { fn(args...); }
 };
 
-// cuda_ops.paged_attention's arguments: its launch bounds and split-K
-// workspace mean nothing to the CPU kernel, which plans from the batch itself.
+// cuda_ops.paged_attention's arguments: its launch bounds, split-K workspace
+// and launch order mean nothing to the CPU kernel, which plans from the batch itself.
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int /*max_query_len*/, int /*max_seq_len*/,
                      int /*num_decodes*/, const std::optional<TensorView>& /*workspace*/, int window, float softcap,
-                     bool fixed_split, HostStream) {
+                     bool fixed_split, const std::optional<TensorView>& /*decode_order*/, HostStream) {
   ops::paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                        {window, softcap, fixed_split});
 }
@@ -129,13 +129,13 @@ void bind_ops(py::module_& m) {
                    py::arg("kv_cache"), py::arg("block_copies"), stream);
   def_op<kRelease>(m, "paged_attention", &paged_attention,
                    "Causal paged attention over a mixed varlen batch (see cpp/ops/ops.h); window > 0: sliding "
-                   "window, softcap > 0: logit soft-capping (cpp/ops/attention_options.h). The CUDA launch bounds "
-                   "and workspace are accepted and unused.",
+                   "window, softcap > 0: logit soft-capping (cpp/ops/attention_options.h). The CUDA launch bounds, "
+                   "workspace and decode_order are accepted and unused.",
                    py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
                    py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
                    py::arg("max_query_len") = 0, py::arg("max_seq_len") = 0, py::arg("num_decodes") = 0,
                    py::arg("workspace") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0f,
-                   py::arg("fixed_split") = false, stream);
+                   py::arg("fixed_split") = false, py::arg("decode_order").none(true) = py::none(), stream);
   def_op<kRelease>(m, "grouped_linear", &OnHost<&ops::grouped_linear>::call,
                    "Mixture-of-experts products: out[r] = x[r] weight[e]^T for the rows [expert_offsets[e], "
                    "expert_offsets[e + 1]) of each expert e (cpp/ops/grouped_linear.h).",

@@ -29,16 +29,15 @@ namespace {
 
 using ops::TensorView;
 
-// workspace may be None: no decode row spans two partitions.
+// workspace may be None: no decode row spans two partitions; decode_order None: row order.
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,
                      const TensorView& seq_lens, float scale, int max_query_len, int max_seq_len, int num_decodes,
                      const std::optional<TensorView>& workspace, int window, float softcap, bool fixed_split,
-                     cudaStream_t stream) {
+                     const std::optional<TensorView>& decode_order, cudaStream_t stream) {
   cuda::paged_attention(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale,
                         max_query_len, max_seq_len, num_decodes, workspace.value_or(TensorView{}),
-                        {window, softcap, fixed_split},
-                        stream);
+                        decode_order.value_or(TensorView{}), {window, softcap, fixed_split}, stream);
 }
 
 void small_batch_linear(const TensorView& out, const TensorView& x, const TensorView& weight,
@@ -99,12 +98,14 @@ void bind_cuda_ops(py::module_& m) {
                 "Causal paged attention over a mixed batch: decode rows [0, num_decodes) run the split-K decode "
                 "kernel, the rest the prefill kernel. workspace (or None when no decode row spans two "
                 "partitions): at least paged_attention_workspace_bytes(num_decodes, Hq, D, max_seq_len) bytes. "
-                "window > 0: sliding window, softcap > 0: logit soft-capping (cpp/ops/attention_options.h).",
+                "window > 0: sliding window, softcap > 0: logit soft-capping (cpp/ops/attention_options.h). "
+                "decode_order (or None): an int32 permutation of [0, num_decodes), the order the decode rows' "
+                "CTAs launch in (longest contexts first keeps the card busy to the end).",
                 py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
                 py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("scale"),
                 py::arg("max_query_len"), py::arg("max_seq_len"), py::arg("num_decodes"),
                 py::arg("workspace").none(true), py::arg("window"), py::arg("softcap"),
-                py::arg("fixed_split") = false, stream);
+                py::arg("fixed_split") = false, py::arg("decode_order").none(true) = py::none(), stream);
   def_op<kHold>(m, "qkv_rope_cache", &qkv_rope_cache,
                 "query_out = rotated q columns of qkv; rotated k and v written into their cache slots (one pass); "
                 "q_norm / k_norm (or None): rms_norm of each q / k head first.",

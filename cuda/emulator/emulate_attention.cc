@@ -19,6 +19,7 @@ struct AttentionCase {
   int workspace_rows = 0;  // 0: size the workspace for the decode rows
   int padding_tokens = 0;  // query tokens past the last row, which must stay untouched
   cpu::AttentionOptions options = {};
+  std::vector<int> decode_order = {};  // empty: row order
 };
 
 void attention_case(const AttentionCase& c) {
@@ -75,8 +76,12 @@ void attention_case(const AttentionCase& c) {
       gpu::paged_attention_workspace_bytes(c.workspace_rows ? c.workspace_rows : num_decodes, hq, D, max_seq_len);
   Tensor workspace = Tensor(DType::kFloat32, {std::max<int64_t>(1, int64_t(workspace_bytes + 3) / 4)}).poison();
 
+  Tensor order(DType::kInt32, {std::max<int64_t>(1, int64_t(c.decode_order.size()))});
+  std::copy(c.decode_order.begin(), c.decode_order.end(), order.ints());
+
   gpu::paged_attention(out.gpu(), query.gpu(), key_cache.gpu(), value_cache.gpu(), tables.gpu(), starts.gpu(),
-                       lens.gpu(), scale, max_q, max_seq_len, num_decodes, workspace.gpu(), c.options, nullptr);
+                       lens.gpu(), scale, max_q, max_seq_len, num_decodes, workspace.gpu(),
+                       c.decode_order.empty() ? TensorView{} : order.gpu(), c.options, nullptr);
   cpu::paged_attention(out_ref.cpu(), query_ref.cpu(), key_cache.cpu(), value_cache.cpu(), tables.cpu(), starts.cpu(),
                        lens.cpu(), scale, c.options);
 
@@ -85,6 +90,7 @@ void attention_case(const AttentionCase& c) {
   for (const Row& r : c.rows) what += " " + std::to_string(r.q_len) + "/" + std::to_string(r.seq_len);
   if (c.max_seq_len) what += " max_seq_len " + std::to_string(c.max_seq_len);
   if (c.workspace_rows) what += " workspace x" + std::to_string(c.workspace_rows);
+  if (!c.decode_order.empty()) what += " longest first";
   if (c.options.window) what += " window " + std::to_string(c.options.window);
   if (c.options.softcap > 0) what += " softcap " + std::to_string(int(c.options.softcap));
   const double error = relative_error(out, out_ref, out_ref.numel());
@@ -140,6 +146,12 @@ void attention_cases() {
   std::vector<Row> many;
   for (int i = 0; i < 34; ++i) many.push_back({1, 520 + 15 * i});
   attention_case({DType::kBFloat16, 64, 16, 8, 1, many});
+  // The runner's launch order (longest context first), in one partition a row and split, beside a prefill row.
+  std::vector<int> longest_first(34);
+  std::iota(longest_first.begin(), longest_first.end(), 0);
+  std::reverse(longest_first.begin(), longest_first.end());
+  attention_case({DType::kBFloat16, 64, 16, 8, 1, many, 0, 0, 0, {}, longest_first});
+  attention_case({DType::kFloat16, 128, 16, 2, 4, {{1, 70}, {1, 700}, {1, 1}, {5, 40}}, 0, 0, 0, {}, {1, 0, 2}});
 }
 
 void attention_option_cases() {

@@ -140,7 +140,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     max_query_len: int, max_seq_len: int, num_decodes: int = 0,
                     workspace: Optional[torch.Tensor] = None, window: int = 0, softcap: float = 0.0,
-                    fixed_split: bool = False) -> None:
+                    fixed_split: bool = False, decode_order: Optional[torch.Tensor] = None) -> None:
     """Causal attention of each sequence's queries over its paged context (see cpp/ops/ops.h).
 
     max_query_len, max_seq_len and num_decodes are host-side launch bounds for the CUDA kernels and
@@ -150,13 +150,14 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     entries may hold anything. softcap > 0: scores s = scale * q.k become softcap * tanh(s / softcap) before
     the softmax (Gemma 2). 0 turns either off (cpp/ops/attention_options.h). fixed_split: the CUDA decode
     kernel splits a row's context by the context alone, so its result does not depend on the batch (the CPU
-    kernel always does).
+    kernel always does). decode_order: int32 [num_decodes], a permutation of the decode rows, the order the
+    CUDA kernel launches them in (the runner's is longest context first); it changes no result.
     """
     kernels, stream = _backend(query)
     kernels.paged_attention(_dl(out), _dl(query), _dl(key_cache), _dl(value_cache), _dl(block_tables),
                             _dl(query_start_loc), _dl(seq_lens), scale, max_query_len, max_seq_len, num_decodes,
                             None if workspace is None else _dl(workspace), int(window), float(softcap),
-                            bool(fixed_split), stream)
+                            bool(fixed_split), None if decode_order is None else _dl(decode_order), stream)
 
 
 def paged_attention_workspace(num_seqs: int, num_heads: int, head_dim: int, max_seq_len: int,

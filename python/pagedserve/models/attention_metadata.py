@@ -30,6 +30,9 @@ class AttentionMetadata:
     # so a prompt's chunks all take the rows one forward over the whole prompt would. None: seq_lens
     # (a caller that runs whole prompts).
     prompt_lens: Optional[torch.Tensor] = None
+    # [num_decodes] the decode rows longest context first: the order the CUDA kernel launches them in, so the
+    # short rows fill its last wave (a permutation; it changes no result). None: row order.
+    decode_order: Optional[torch.Tensor] = None
 
     @property
     def num_seqs(self) -> int:

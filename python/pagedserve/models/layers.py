@@ -289,5 +289,6 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(query)
         ops.paged_attention(out, query, key_cache, value_cache, attn.block_tables, attn.query_start_loc,
                             attn.seq_lens, self.scale, attn.max_query_len, attn.max_seq_len,
-                            num_decodes=attn.num_decodes, workspace=attn.workspace, **self.extra)
+                            num_decodes=attn.num_decodes, workspace=attn.workspace, decode_order=attn.decode_order,
+                            **self.extra)
         return out

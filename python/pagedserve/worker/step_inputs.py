@@ -12,6 +12,11 @@ so without the wait the next step's arrays could reach the device as this
 step's (seen on an H200: NaN outputs of a Mixtral-shaped model whose prompt
 chunks replayed CUDA graphs, which leave the host ahead of the device).
 
+The decode rows also get a launch order, longest context first
+(`decode_order`, cuda/cuda_ops.h; the CPU kernel ignores it): a batch of
+mixed contexts then ends with its short rows filling the CUDA kernel's last
+wave.
+
 When the engine runs ahead, some input ids are the previous step's samples,
 still on the device: the step names them (deferred_tokens / deferred_samples,
 cpp/scheduler.h) and prepare() gathers them into input_ids after the
@@ -56,6 +61,7 @@ class StepInputs:
             "logits_indices": max_num_tokens,
             "deferred_tokens": max_num_seqs,  # a decode row's token at most
             "deferred_samples": max_num_seqs,
+            "decode_order": max_num_seqs,
             "block_tables": max_num_seqs * max_blocks_per_seq,  # last: copied only as far as used
         }
         self._segments: dict[str, _Segment] = {}
@@ -132,6 +138,8 @@ class StepInputs:
             h("query_start_loc")[num_seqs + 1:rows + 1] = np.arange(num_tokens + 1, tokens + 1)
             h("seq_lens")[num_seqs:rows] = 0
             h("prompt_lens")[num_seqs:rows] = 0
+        num_decodes = step.num_decodes + rows - num_seqs  # padding rows are decode rows
+        h("decode_order")[:num_decodes] = np.argsort(-h("seq_lens")[:num_decodes], kind="stable")
         width = step.max_blocks_per_seq
         bt = h("block_tables").reshape(self.max_num_seqs, self.max_blocks_per_seq)
         bt[:num_seqs, :width] = step.block_tables
@@ -164,6 +172,7 @@ class StepInputs:
             max_seq_len=max_seq_len,
             num_decodes=num_decodes,
             workspace=self.workspace,
+            decode_order=self._view("decode_order")[:num_decodes] if num_decodes else None,
         )
 
     def decode_views(self, rows: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -197,3 +206,4 @@ class StepInputs:
         self._view("query_start_loc")[:rows + 1] = torch.arange(rows + 1, dtype=torch.int32,
                                                                  device=self._device.device)
         self._view("seq_lens")[:rows].fill_(1)
+        self._view("decode_order")[:rows] = torch.arange(rows, dtype=torch.int32, device=self._device.device)
