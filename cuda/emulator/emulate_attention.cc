@@ -146,12 +146,19 @@ void attention_cases() {
   std::vector<Row> many;
   for (int i = 0; i < 34; ++i) many.push_back({1, 520 + 15 * i});
   attention_case({DType::kBFloat16, 64, 16, 8, 1, many});
-  // The runner's launch order (longest context first), in one partition a row and split, beside a prefill row.
+  // The runner's launch order (longest context first; grids past the card's 264 CTA slots read it): in one
+  // partition a row, and 40 rows x 4 kv heads split in two 512-token partitions beside a prefill row.
   std::vector<int> longest_first(34);
   std::iota(longest_first.begin(), longest_first.end(), 0);
   std::reverse(longest_first.begin(), longest_first.end());
   attention_case({DType::kBFloat16, 64, 16, 8, 1, many, 0, 0, 0, {}, longest_first});
-  attention_case({DType::kFloat16, 128, 16, 2, 4, {{1, 70}, {1, 700}, {1, 1}, {5, 40}}, 0, 0, 0, {}, {1, 0, 2}});
+  std::vector<Row> mixed;
+  for (int i = 0; i < 40; ++i) mixed.push_back({1, 100 + (i * 7919) % 40 * 15});
+  std::vector<int> order(40);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return mixed[size_t(a)].seq_len > mixed[size_t(b)].seq_len; });
+  mixed.push_back({5, 40});
+  attention_case({DType::kFloat16, 64, 16, 4, 2, mixed, 0, 256, 0, {}, order});
 }
 
 void attention_option_cases() {
