@@ -75,9 +75,10 @@ void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies, cud
 // decode_order: empty (no data), or int32 [>= num_decodes] on the device, a
 // permutation of [0, num_decodes) naming the decode rows in the order their
 // CTAs launch. A batch of mixed contexts finishes sooner longest first (H200,
-// 128 rows of 600..2048 tokens: 89 -> 98 % of the copy bandwidth), since the
-// short rows then fill the last wave; entries out of range are skipped. A
-// grid that fits the SMs at once (two CTAs each) does not read it.
+// 64 rows of 1000..2048 tokens: 84.5 -> 98.4 % of the copy bandwidth,
+// kernel_bench.py), since the short rows then fill the last wave; entries out
+// of range are skipped. A grid that fits the SMs at once (two CTAs each) does
+// not read it.
 // options: sliding window and soft-capping (cpp/ops/attention_options.h); a
 // window also bounds the decode grid and workspace use by min(max_seq_len, W).
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,

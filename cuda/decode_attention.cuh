@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const bool row_ok = row >= 0 && row < p.num_decodes;  // a malformed order's entry is skipped
   const int seq_len = row_ok ? p.seq_lens[row] : 0;
   const int token = row_ok ? p.query_start_loc[row] : 0;
-  wait_for_previous_kernel();  // launched dependent: the query and this step's keys come from the kernels before
+  wait_for_previous_kernel();  // launched dependent: the query and this step's keys come from kernels before
   let_next_kernel_launch();
   if (!row_ok) return;
   const int partition = static_cast<int>(blockIdx.x);

@@ -52,12 +52,21 @@ int multiprocessor_count(int device) {
 // The longest context one decode row reads: its window or the host bound.
 int max_decode_context(const PagedAttentionParams& p) { return std::min(p.max_seq_len, p.window_span); }
 
+// The decode grid's CTAs for each partition of the rows' contexts: rows x kv heads x head chunks.
+int64_t decode_ctas_per_partition(const PagedAttentionParams& p) {
+  const int head_chunks = ceil_div(p.num_heads / p.num_kv_heads, decode::kHeadsPerCta);
+  return static_cast<int64_t>(p.num_decodes) * p.num_kv_heads * head_chunks;
+}
+
+// The decode CTAs the card holds at once.
+int64_t resident_decode_ctas(int device) {
+  return decode::kCtasPerSm * static_cast<int64_t>(multiprocessor_count(device));
+}
+
 int plan_partition_tokens(const PagedAttentionParams& p, int head_dim, size_t workspace_bytes, int device) {
   const int context = max_decode_context(p);
-  const int group_size = p.num_heads / p.num_kv_heads;
-  const int64_t ctas_per_partition =
-      static_cast<int64_t>(p.num_decodes) * p.num_kv_heads * ceil_div(group_size, decode::kHeadsPerCta);
-  const int64_t target_ctas = decode::kCtasPerSm * static_cast<int64_t>(multiprocessor_count(device));
+  const int64_t ctas_per_partition = decode_ctas_per_partition(p);
+  const int64_t target_ctas = resident_decode_ctas(device);
   if (p.fixed_split) return decode::kFixedPartitionTokens;
   // One partition a row where that fills the card: no partial results and no reduce kernel (a
   // large batch's case), else halved as below.
@@ -96,11 +105,10 @@ DecodeSplit plan_decode_split(const PagedAttentionParams& p, int head_dim, const
 }
 
 // The decode rows' launch order matters only where CTAs queue for the SMs' slots: a grid that fits them at
-// once reads none (H200, TinyLlama shape, 64 rows x 4 kv heads: the order's load cost ~2 % tok/s).
+// once reads none (H200, TinyLlama shape, 64 rows x 4 kv heads: reading it cost ~2 % tok/s).
 const int32_t* launch_order(const PagedAttentionParams& p, const DecodeSplit& split, int device) {
-  const int64_t ctas = static_cast<int64_t>(split.num_partitions) * p.num_decodes * p.num_kv_heads *
-                       ceil_div(p.num_heads / p.num_kv_heads, decode::kHeadsPerCta);
-  return ctas > decode::kCtasPerSm * static_cast<int64_t>(multiprocessor_count(device)) ? p.decode_order : nullptr;
+  const int64_t ctas = decode_ctas_per_partition(p) * split.num_partitions;
+  return ctas > resident_decode_ctas(device) ? p.decode_order : nullptr;
 }
 
 struct AttentionShape {

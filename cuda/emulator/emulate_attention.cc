@@ -156,7 +156,8 @@ void attention_cases() {
   for (int i = 0; i < 40; ++i) mixed.push_back({1, 100 + (i * 7919) % 40 * 15});
   std::vector<int> order(40);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return mixed[size_t(a)].seq_len > mixed[size_t(b)].seq_len; });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return mixed[size_t(a)].seq_len > mixed[size_t(b)].seq_len; });
   mixed.push_back({5, 40});
   attention_case({DType::kFloat16, 64, 16, 4, 2, mixed, 0, 256, 0, {}, order});
 }
