@@ -13,9 +13,9 @@ step's (seen on an H200: NaN outputs of a Mixtral-shaped model whose prompt
 chunks replayed CUDA graphs, which leave the host ahead of the device).
 
 The decode rows also get a launch order, longest context first
-(`decode_order`, cuda/cuda_ops.h; the CPU kernel ignores it): a batch of
-mixed contexts then ends with its short rows filling the CUDA kernel's last
-wave.
+(`decode_order`, cuda/cuda_ops.h): a batch of mixed contexts then ends with
+its short rows filling the CUDA kernel's last wave. The CPU kernel ignores
+it: its work plan sorts its own items by cost (cpp/ops/paged_attention.cc).
 
 When the engine runs ahead, some input ids are the previous step's samples,
 still on the device: the step names them (deferred_tokens / deferred_samples,
