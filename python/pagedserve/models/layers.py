@@ -10,7 +10,6 @@ activations are in activations.py.
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -239,19 +238,12 @@ class RotaryEmbedding(nn.Module):
         ops.rotary_embedding(positions, query, key, self.cos_sin_cache)
 
 
-def _attention_features() -> frozenset[str]:
-    """The optional keyword features (window, softcap) ops.paged_attention takes in this build."""
-    parameters = inspect.signature(ops.paged_attention).parameters
-    return frozenset(name for name in ("window", "softcap", "fixed_split") if name in parameters)
-
-
 class PagedAttention(nn.Module):
     """Writes this step's keys/values into the paged cache, then attends through the block tables.
 
     scale: the softmax scale (default head_dim ** -0.5); window: attend to the last ``window``
     positions only (transformers' sliding window, 0 = all); softcap: scores become
-    softcap * tanh(scores / softcap) (Gemma 2, 0 = off). Window and softcap are passed to the op
-    only when set, so builds whose op lacks them still run every model that needs neither.
+    softcap * tanh(scores / softcap) (Gemma 2, 0 = off).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: Optional[float] = None,
@@ -266,10 +258,6 @@ class PagedAttention(nn.Module):
             self.extra["window"] = int(window)
         if softcap:
             self.extra["softcap"] = float(softcap)
-        missing = sorted(set(self.extra) - _attention_features())
-        if missing:
-            raise ValueError(f"this model needs attention with {' and '.join(missing)}, which this build's "
-                             "paged_attention op does not support yet")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_kv_cache: torch.Tensor,
                 attn: AttentionMetadata) -> torch.Tensor:
@@ -279,8 +267,6 @@ class PagedAttention(nn.Module):
 
     def use_fixed_split(self) -> None:
         """Decode rows split their context by the context alone (batch-invariant results, batch_invariant.py)."""
-        if "fixed_split" not in _attention_features():
-            raise ValueError("this build's paged_attention op has no fixed_split: rebuild pagedserve")
         self.extra["fixed_split"] = True
 
     def attend(self, query: torch.Tensor, layer_kv_cache: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
