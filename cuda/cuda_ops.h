@@ -72,14 +72,17 @@ void copy_blocks(const TensorView& kv_cache, const TensorView& block_copies, cud
 // natural; there is no uint8), 16-byte aligned; it may be empty (no data) when
 // max_seq_len fits one partition. A larger workspace lets small batches split
 // into finer partitions. Tokens past query_start_loc[S] are not written.
-// decode_order: empty (no data), or int32 [>= num_decodes] on the device, a
-// permutation of [0, num_decodes) naming the decode rows in the order their
-// CTAs launch. A batch of mixed contexts finishes sooner longest first (H200,
-// 64 rows of 1000..2048 tokens: 84.5 -> 98.4 % of the copy bandwidth,
-// kernel_bench.py), since the short rows then fill the last wave; entries out
-// of range are skipped. A grid that fits the SMs at once (two CTAs each) does
-// not read it.
-// options: sliding window and soft-capping (cpp/ops/attention_options.h); a
+// decode_order: empty (no data: row order), or int32 [>= num_decodes] on the
+// device, a permutation of [0, num_decodes) naming the decode rows in the
+// order their CTAs launch. A batch of mixed contexts finishes sooner longest
+// first (H200, 64 rows of 1000..2048 tokens: 84.5 -> 98.4 % of the copy
+// bandwidth, kernel_bench.py), since the short rows then fill the last wave.
+// A grid that fits the SMs at once (two CTAs each) does not read it; where
+// one is read, entries out of range are skipped and a row the order omits is
+// not computed. The decode kernel reads decode_order, seq_lens and
+// query_start_loc before waiting on the kernel launched before it (PDL,
+// dependent_launch.cuh): no dependent-launched kernel may write them.
+// `options`: sliding window and soft-capping (cpp/ops/attention_options.h); a
 // window also bounds the decode grid and workspace use by min(max_seq_len, W).
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables, const TensorView& query_start_loc,

@@ -54,7 +54,14 @@ inline constexpr int kHeadsPerCta = 16;  // mma M
 inline constexpr int kWarpTokens = 16;   // one k-step of P V per warp and chunk
 inline constexpr int kChunkTokens = kWarps * kWarpTokens;
 inline constexpr int kStages = 3;
-inline constexpr int kCtasPerSm = 2;  // resident at once (~105 KB of shared memory each at D 128)
+// The launch bound's CTAs an SM, which the plan counts as resident: D 128's ~105 KB of shared memory
+// allows two (D 64's ~53 KB would allow more; the plan still counts two).
+inline constexpr int kCtasPerSm = 2;
+
+// CTAs along the grid's y for each kv head: its query heads, kHeadsPerCta at a time.
+__host__ __device__ inline int head_chunks(const PagedAttentionParams& p) {
+  return (p.num_heads / p.num_kv_heads + kHeadsPerCta - 1) / kHeadsPerCta;
+}
 // A plan's partitions (paged_attention.cu, plan_partition_tokens): the whole
 // context (up to kLongestPartitionTokens) where the rows alone fill the card,
 // halved while the grid has fewer than two CTAs an SM, down to
@@ -95,7 +102,7 @@ struct HeadRange {
 
 __device__ __forceinline__ HeadRange cta_heads(const PagedAttentionParams& p) {
   const int group_size = p.num_heads / p.num_kv_heads;
-  const int chunks = (group_size + kHeadsPerCta - 1) / kHeadsPerCta;
+  const int chunks = head_chunks(p);
   const int kv_head = static_cast<int>(blockIdx.y) / chunks;
   const int first = kv_head * group_size + static_cast<int>(blockIdx.y) % chunks * kHeadsPerCta;
   return {kv_head, first, min(kHeadsPerCta, (kv_head + 1) * group_size - first)};
@@ -223,9 +230,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   float* chunk_max = reinterpret_cast<float*>(shared_bytes + Layout::kQueryBytes + kStages * Layout::kStageBytes);
   float* probs = chunk_max + kWarps * kHeadsPerCta;
 
-  // The step's index arrays come from the host's copy, complete before the step's first kernel: read
-  // them while the kernel before finishes (after the wait, the launch order's extra dependent load cost
-  // the TinyLlama-shaped single stream 1.4 % tok/s; H200).
+  // The step's index arrays come from the host's copy, complete before the step's first kernel (the op's
+  // contract, cuda_ops.h): read them while the kernel before finishes. After the wait, the launch order's
+  // extra dependent load cost the TinyLlama-shaped single stream 1.4 % tok/s (H200, measured before grids
+  // of one wave stopped reading the order).
   const int row = p.decode_order == nullptr ? static_cast<int>(blockIdx.z) : p.decode_order[blockIdx.z];
   const bool row_ok = row >= 0 && row < p.num_decodes;  // a malformed order's entry is skipped
   const int seq_len = row_ok ? p.seq_lens[row] : 0;
@@ -294,10 +302,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 template <typename T, int kHeadDim, int kBlockSize>
 void launch_decode_attention(const PagedAttentionParams& p, const DecodeSplit& split, cudaStream_t stream) {
   using Layout = decode::SharedLayout<T, kHeadDim>;
-  const int group_size = p.num_heads / p.num_kv_heads;
-  const int head_chunks = ceil_div(group_size, decode::kHeadsPerCta);
-  const dim3 grid(static_cast<unsigned>(split.num_partitions), static_cast<unsigned>(p.num_kv_heads * head_chunks),
-                  static_cast<unsigned>(p.num_decodes));
+  const dim3 grid(static_cast<unsigned>(split.num_partitions),
+                  static_cast<unsigned>(p.num_kv_heads * decode::head_chunks(p)), static_cast<unsigned>(p.num_decodes));
   auto* kernel = decode::decode_partition_kernel<T, kHeadDim, kBlockSize>;
   allow_dynamic_smem(kernel, Layout::kBytes, "decode_partition_kernel");
   launch_dependent(kernel, grid, dim3(decode::kThreads), Layout::kBytes, stream, "decode_partition_kernel", p, split);

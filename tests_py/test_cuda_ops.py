@@ -498,18 +498,20 @@ def test_paged_attention_many_long_decodes_take_one_partition_a_row(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_attention_decode_order_changes_no_bit(dtype):
-    """Decode rows launched longest context first (the runner's decode_order), in one partition a row and
-    split, give the bits of row order; a prefill row beside them is not in the order."""
+    """Decode rows launched longest context first (the runner's decode_order) give the bits of row order,
+    in grids past the card's resident CTAs (two an SM, up to 160 SMs): 41 rows x 8 kv heads in one partition
+    a row, and 41 rows x 4 kv heads, too few CTAs alone, in two partitions; a prefill row is not in the
+    order."""
     seed = fresh_seed()
     seeded(seed)
     rows = [(1, random.randint(100, 2000)) for _ in range(40)] + [(1, 1), (37, 900)]
-    batch = Batch(rows, 16, 8, 128, 16, dtype)
-    longest_first = torch.argsort(batch.seq_lens[:41].cpu(), descending=True, stable=True).int().cuda()
-    for workspace in (None, batch.workspace(num_seqs=256)):  # the second splits the long rows
-        plain = batch.run_cuda(workspace=workspace)
-        ordered = batch.run_cuda(workspace=workspace, decode_order=longest_first)
-        assert torch.equal(ordered, plain), f"seed {seed}"
-    batch.check(ordered, seed, "longest first", cpu=False)
+    for num_heads, num_kv_heads in ((16, 8), (8, 4)):
+        batch = Batch(rows, num_heads, num_kv_heads, 128, 16, dtype)
+        longest_first = torch.argsort(batch.seq_lens[:41].cpu(), descending=True, stable=True).int().cuda()
+        plain = batch.run_cuda()
+        ordered = batch.run_cuda(decode_order=longest_first)
+        assert torch.equal(ordered, plain), f"seed {seed}, {num_kv_heads} kv heads"
+        batch.check(ordered, seed, f"longest first, {num_kv_heads} kv heads", cpu=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

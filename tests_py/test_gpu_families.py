@@ -15,7 +15,7 @@ import torch
 
 from hf_helpers import make_hf_model
 from pagedserve import LLM, SamplingParams, _core
-from test_model_families import DENSE_CASES, missing_op_features, prompts
+from test_model_families import DENSE_CASES, prompts
 from test_moe_families import CASES as MOE_CASES
 from test_moe_families import COMMON as MOE_COMMON
 from test_moe_families import _config_classes
@@ -50,9 +50,7 @@ def hf_model_for_gpu(name: str):
         overrides = {k: v for k, v in overrides.items() if k != "head_dim"}
         return make_hf_model(_config_classes()[family], seed=zlib.crc32(name.encode()) % 1000,
                              **{**MOE_COMMON, **GPU_SHAPE, **overrides, "intermediate_size": 384})
-    class_name, overrides, needed = DENSE_CASES[name]
-    if missing_op_features(needed):
-        pytest.skip(f"ops.paged_attention lacks {missing_op_features(needed)} in this build")
+    class_name, overrides = DENSE_CASES[name]
     overrides = dict(overrides)
     rope = overrides.get("rope_parameters")
     if isinstance(rope, dict) and "short_factor" in rope:

@@ -22,7 +22,6 @@ The README's table of supported architectures is checked against the model regis
 
 from __future__ import annotations
 
-import inspect
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ import pytest
 import torch
 
 from hf_helpers import make_hf_model, round_to_bf16
-from pagedserve import LLM, SamplingParams, ops
+from pagedserve import LLM, SamplingParams
 from pagedserve.models.layers import Linear
 from test_moe_families import CASES as MOE_CASES
 from test_moe_families import hf_moe_model
@@ -54,37 +53,33 @@ PHI4_LONGROPE = dict(LONGROPE, short_factor=LONGROPE["short_factor"][:6], long_f
 GEMMA3_ROPE = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6)}
 
-# name -> (transformers config class name, overrides, op features needed)
+# name -> (transformers config class name, overrides)
 DENSE_CASES = {
-    "gemma": ("GemmaConfig", dict(hidden_act="gelu_pytorch_tanh"), ()),
+    "gemma": ("GemmaConfig", dict(hidden_act="gelu_pytorch_tanh")),
     "gemma2": ("Gemma2Config", dict(query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=2.0,
-                                    final_logit_softcapping=3.0), ("window", "softcap")),
+                                    final_logit_softcapping=3.0)),
     "gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=24, sliding_window=WINDOW, rope_parameters=GEMMA3_ROPE,
-                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-               ("window",)),
-    "phi3": ("Phi3Config", dict(tie_word_embeddings=False), ()),
-    "phi3_window": ("Phi3Config", dict(sliding_window=WINDOW), ("window",)),
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "phi3": ("Phi3Config", dict(tie_word_embeddings=False)),
+    "phi3_window": ("Phi3Config", dict(sliding_window=WINDOW)),
     "phi4_mini_partial_longrope": ("Phi3Config", dict(rope_parameters=PHI4_LONGROPE,
-                                                      original_max_position_embeddings=PHI3_ORIGINAL), ()),
-    "phi2_parallel_partial": ("PhiConfig", dict(partial_rotary_factor=0.5, hidden_act="gelu_new"), ()),
-    "mistral_window": ("MistralConfig", dict(sliding_window=WINDOW), ("window",)),
-    "qwen2_window_layers": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-                            ("window",)),
-    "qwen3_qk_norm_bias": ("Qwen3Config", dict(attention_bias=True), ()),
-    "olmo2": ("Olmo2Config", dict(), ()),
+                                                      original_max_position_embeddings=PHI3_ORIGINAL)),
+    "phi2_parallel_partial": ("PhiConfig", dict(partial_rotary_factor=0.5, hidden_act="gelu_new")),
+    "mistral_window": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "qwen2_window_layers": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)),
+    "qwen3_qk_norm_bias": ("Qwen3Config", dict(attention_bias=True)),
+    "olmo2": ("Olmo2Config", dict()),
     "granite": ("GraniteConfig", dict(embedding_multiplier=4.0, attention_multiplier=0.1, residual_multiplier=0.5,
-                                      logits_scaling=2.0), ()),
-    "smollm3_nope_layers": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=2), ()),
-    "llama_rope_linear": ("LlamaConfig", dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4)),
-                          ()),
-    "llama_rope_dynamic": ("LlamaConfig", dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4)),
-                           ()),
+                                      logits_scaling=2.0)),
+    "smollm3_nope_layers": ("SmolLM3Config", dict(num_hidden_layers=4, no_rope_layer_interval=2)),
+    "llama_rope_linear": ("LlamaConfig", dict(rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
+    "llama_rope_dynamic": ("LlamaConfig", dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=1e4))),
     "llama_rope_yarn": ("LlamaConfig", dict(rope_parameters=dict(rope_type="yarn", factor=4.0, rope_theta=1e4,
-                                                                 original_max_position_embeddings=ORIGINAL)), ()),
-    "llama_rope_longrope": ("LlamaConfig", dict(rope_parameters=dict(LONGROPE, rope_theta=1e4)), ()),
+                                                                 original_max_position_embeddings=ORIGINAL))),
+    "llama_rope_longrope": ("LlamaConfig", dict(rope_parameters=dict(LONGROPE, rope_theta=1e4))),
     "llama_rope_llama3": ("LlamaConfig", dict(rope_parameters=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                                    high_freq_factor=4.0, rope_theta=5e5,
-                                                                   original_max_position_embeddings=ORIGINAL)), ()),
+                                                                   original_max_position_embeddings=ORIGINAL))),
 }
 CASES = list(DENSE_CASES) + list(MOE_CASES)  # every family case the battery below runs
 WINDOWED = ("gemma2", "gemma3", "phi3_window", "mistral_window", "qwen2_window_layers")
@@ -101,19 +96,12 @@ CHUNK_BUDGET = 8
 CHUNKED_TOKENS = 8  # the chunked run checks its prefills and the first decode steps
 
 
-def missing_op_features(needed) -> list[str]:
-    parameters = inspect.signature(ops.paged_attention).parameters
-    return [feature for feature in needed if feature not in parameters]
-
-
 def hf_family_model(name: str, bf16_exact: bool = False):
     if name in MOE_CASES:
         return hf_moe_model(name, bf16_exact=bf16_exact)
     import transformers
 
-    class_name, overrides, needed = DENSE_CASES[name]
-    if missing_op_features(needed):
-        pytest.skip(f"ops.paged_attention lacks {missing_op_features(needed)} in this build")
+    class_name, overrides = DENSE_CASES[name]
     model = make_hf_model(getattr(transformers, class_name), seed=zlib.crc32(name.encode()) % 1000,
                           **{**COMMON, **overrides})
     return round_to_bf16(model) if bf16_exact else model

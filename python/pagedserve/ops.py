@@ -151,7 +151,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     the softmax (Gemma 2). 0 turns either off (cpp/ops/attention_options.h). fixed_split: the CUDA decode
     kernel splits a row's context by the context alone, so its result does not depend on the batch (the CPU
     kernel always does). decode_order: int32 [num_decodes], a permutation of the decode rows, the order the
-    CUDA kernel launches them in (the runner's is longest context first); it changes no result.
+    CUDA kernel launches them in (the runner's is longest context first): a permutation changes no result
+    (a row it omits may go uncomputed, cuda/cuda_ops.h).
     """
     kernels, stream = _backend(query)
     kernels.paged_attention(_dl(out), _dl(query), _dl(key_cache), _dl(value_cache), _dl(block_tables),
