@@ -211,9 +211,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                        } else {
                          if (num_decodes > 0) {
                            const DecodeSplit split = plan_decode_split(params, kHeadDim, workspace, query.device_index);
-                           PagedAttentionParams decode_params = params;
-                           decode_params.decode_order = launch_order(params, split, query.device_index);
-                           launch_decode_attention<T, kHeadDim, kBlockSize>(decode_params, split, stream);
+                           params.decode_order = launch_order(params, split, query.device_index);  // decode only
+                           launch_decode_attention<T, kHeadDim, kBlockSize>(params, split, stream);
                          }
                          if (num_prefills > 0) launch_prefill_attention<T, kHeadDim, kBlockSize>(params, stream);
                        }
