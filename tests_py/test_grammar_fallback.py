@@ -1,6 +1,8 @@
-"""llguidance as the fallback grammar backend: used only where xgrammar refuses a json schema, regex or
-grammar; its matcher fills the same bitmask as xgrammar's; a spec both refuse is a RequestError naming
-both problems. End to end on the default model (CPU); outputs checked by jsonschema and `regex`."""
+"""The two grammar backends and which one compiles: by default llguidance takes json schemas and xgrammar
+the other kinds, each falling back to the other where it refuses (the engine's structured_outputs_backend
+may name one); both matchers fill one bitmask; a spec every backend tried refuses is a RequestError naming
+each problem, and a json schema with keywords llguidance does not implement (which xgrammar would ignore)
+is one too. End to end on the default model (CPU); outputs checked by jsonschema and `regex`."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ FALLBACK_SCHEMA = {
     "$defs": {"temperature/unit": {"enum": ["celsius", "fahrenheit"]}},
 }
 UNICODE_REGEX = r"\p{Lu}\p{Ll}{2,8}"  # Unicode classes: xgrammar refuses them
+LOOKAHEAD_SCHEMA = {"type": "string", "pattern": "^(?=c)cat$"}  # llguidance's regexes have no lookahead
 PLAIN_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
 
 
@@ -36,22 +39,42 @@ def _backend(llm, **spec) -> str:
     return llm.llm_engine.grammars.compile(StructuredOutputsParams(**spec)).backend
 
 
-def test_xgrammar_stays_the_backend_where_it_compiles(llm):
-    assert _backend(llm, json=PLAIN_SCHEMA) == "xgrammar"
+def test_default_backends_by_kind(llm):
+    assert _backend(llm, json=PLAIN_SCHEMA) == "llguidance"
     assert _backend(llm, regex="[a-z]+") == "xgrammar"
     assert _backend(llm, grammar='root ::= "a" | "b"') == "xgrammar"
     assert _backend(llm, choice=["x", "y"]) == "xgrammar"
     assert _backend(llm, json_object=True) == "xgrammar"
 
 
-def test_llguidance_compiles_what_xgrammar_refuses(llm, caplog):
+def test_each_backend_falls_back_to_the_other(llm, caplog):
     grammars = llm.llm_engine.grammars
     with pytest.raises(Exception):
-        grammars._xgrammar_backend().compile(StructuredOutputsParams(json=FALLBACK_SCHEMA))
+        grammars._xgrammar_backend().compile(StructuredOutputsParams(regex=UNICODE_REGEX))
+    with pytest.raises(Exception):
+        grammars._llguidance_backend().compile(StructuredOutputsParams(json=LOOKAHEAD_SCHEMA))
     with caplog.at_level("INFO", logger="pagedserve"):
-        assert _backend(llm, json=json.dumps(FALLBACK_SCHEMA), disable_any_whitespace=True) == "llguidance"
         assert _backend(llm, regex=UNICODE_REGEX) == "llguidance"
-    assert "llguidance compiled it" in caplog.text
+        assert _backend(llm, json=LOOKAHEAD_SCHEMA) == "xgrammar"
+    assert "llguidance compiled it" in caplog.text and "xgrammar compiled it" in caplog.text
+    out = llm.generate(["Name an animal:"], SamplingParams(structured_outputs=StructuredOutputsParams(
+        json=LOOKAHEAD_SCHEMA), max_tokens=8, temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and json.loads(out.text) == "cat", out.text
+
+
+@pytest.mark.parametrize("keyword", [{"uniqueItems": True}, {"not": {"const": [1]}}])
+def test_schema_keywords_no_backend_enforces_are_refused(llm, keyword):
+    """xgrammar compiles uniqueItems, not, if/then and dependentRequired but ignores them (it takes [1, 1]
+    under uniqueItems); llguidance refuses them. The schema is a 400 naming them, not output that may
+    break them."""
+    schema = {"type": "array", "items": {"type": "integer"}, **keyword}
+    xgr_matcher = llm.llm_engine.grammars._xgrammar_backend().compile(StructuredOutputsParams(json=schema)).new_matcher()
+    tokens = llm.llm_engine.tokenizer.encode("[1, 1]", add_special_tokens=False)
+    assert all(xgr_matcher.accept_token(t) for t in tokens)  # ignored
+    with pytest.raises(RequestError, match=f"keywords that are not enforced here: .*{next(iter(keyword))}") as err:
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False)
+    assert (err.value.field, err.value.code) == ("structured_outputs", "invalid_grammar")
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_fallback_schema_generates_valid_json(llm):
@@ -94,8 +117,10 @@ def test_both_refusing_is_a_request_error_naming_both(llm):
             llm.generate(["x"], SamplingParams(structured_outputs=so), use_tqdm=False)
         message = str(err.value)
         assert (err.value.field, err.value.code) == ("structured_outputs", "invalid_grammar")
-        assert f"the {'json schema' if so.kind == 'json' else so.kind} cannot be compiled: xgrammar: " in message
-        assert problem in message.split("; llguidance:")[0] and "; llguidance: " in message, message
+        first, second = ("llguidance", "xgrammar") if so.kind == "json" else ("xgrammar", "llguidance")
+        assert f"the {'json schema' if so.kind == 'json' else so.kind} cannot be compiled: {first}: " in message
+        assert problem in message.split(f"; {second}:")[1 if second == "xgrammar" else 0], message
+        assert f"; {second}: " in message, message
         assert "/project/cpp" not in message  # xgrammar's source location is dropped
     assert not llm.llm_engine.has_unfinished_requests()
 
@@ -132,19 +157,21 @@ def test_llguidance_matcher_fills_xgrammar_layout(llm):
 LAYOUT_SCHEMA = {"type": "object", "properties": {
     "a": {"type": "array", "items": {"type": "integer"}},
     "properties": {"type": "object", "properties": {"b": {"type": "boolean"}}},  # a property named so
-    "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}}, "required": ["a"]}
+    "pair": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]},
+    "x": {"type": "number"}}, "required": ["a"]}
 LAYOUT_TEXTS = ['{"a": [1, 2]}', '{"a":[1,2]}', '{ "a" : [ 1 , 2 ] }', '{\n  "a": [\n    1\n  ]\n}',
                 '{"a":' + " " * 24 + '[1]}', '{"a":' + " " * 25 + '[1]}', '{"a":\n\n\n' + " " * 22 + "[1]}",
                 '{"a": [1], "extra": 2}', '{"a": [1], "properties": {"b": true}}',
                 '{"a": [1], "properties": {"b": true, "c": 1}}', '{"a": [1], "pair": [1, "x"]}',
-                '{"a": [1], "pair": [1, "x", 3]}']
+                '{"a": [1], "pair": [1, "x", 3]}', '{"a": [1], "x": -21.837465}', '{"a": [1], "x": 21.8374659}']
 
 
 @pytest.mark.parametrize("compact", [False, True])
 def test_llguidance_json_is_laid_out_as_xgrammar_lays_it_out(llm, compact):
     """Where llguidance stands in for xgrammar on a JSON schema, it takes the texts xgrammar takes: whitespace
     runs bounded as MAX_WHITESPACE_RUN bounds them (a small model cannot loop on newlines), xgrammar's compact
-    separators, and strict mode's closed objects and tuples (a property named "properties" included)."""
+    separators, strict mode's closed objects and tuples (a property named "properties" included), and
+    fractions of at most 6 digits (where a small model loops otherwise)."""
     engine = llm.llm_engine
     grammars = engine.grammars
     spec = StructuredOutputsParams(json=LAYOUT_SCHEMA, disable_any_whitespace=compact)
@@ -188,3 +215,41 @@ def test_llguidance_is_not_used_where_it_misreads_the_tokenizer(default_model_pa
     assert grammars.compile(StructuredOutputsParams(json=PLAIN_SCHEMA)).backend == "xgrammar"
     with pytest.raises(RequestError, match="llguidance reads this tokenizer differently"):  # the finding is kept
         grammars.compile(StructuredOutputsParams(json=FALLBACK_SCHEMA))
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_structured_outputs_backend_names_the_backend(default_model_path, backend):
+    """structured_outputs_backend "xgrammar" is xgrammar alone (it ignores what it does not enforce, as asked);
+    "llguidance" is llguidance for the kinds it takes, xgrammar for those it has no form of."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.engine.grammar import Grammars
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_path))
+    grammars = Grammars(default_model_path, len(tokenizer), [tokenizer.eos_token_id], max_rows=1, backend=backend)
+    compiled = lambda **spec: grammars.compile(StructuredOutputsParams(**spec)).backend  # noqa: E731
+    assert compiled(json=PLAIN_SCHEMA) == backend
+    assert compiled(choice=["x", "y"]) == compiled(json_object=True) == "xgrammar"
+    refused = {"regex": UNICODE_REGEX} if backend == "xgrammar" else {"json": LOOKAHEAD_SCHEMA}  # the other takes it
+    with pytest.raises(RequestError) as err:
+        grammars.compile(StructuredOutputsParams(**refused))
+    message = str(err.value)
+    other = "llguidance" if backend == "xgrammar" else "xgrammar"
+    assert f"cannot be compiled: {backend}: " in message and f"{other}:" not in message, message
+    unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    if backend == "xgrammar":
+        assert compiled(json=unique) == "xgrammar"
+    else:
+        assert compiled(regex="[a-z]+") == "llguidance"
+        with pytest.raises(RequestError, match="not enforced here"):
+            grammars.compile(StructuredOutputsParams(json=unique))
+
+
+def test_structured_outputs_backend_reaches_the_engine(default_model_path):
+    from pagedserve.engine.grammar import Grammars
+
+    with pytest.raises(ValueError, match="structured_outputs_backend must be one of auto, xgrammar, llguidance"):
+        Grammars(default_model_path, 49152, [2], max_rows=1, backend="outlines")
+    llm = LLM(str(default_model_path), device="cpu", max_model_len=256, structured_outputs_backend="xgrammar")
+    assert llm.llm_engine.info().structured_outputs_backend == "xgrammar"
+    assert _backend(llm, json=PLAIN_SCHEMA) == "xgrammar"

@@ -262,7 +262,7 @@ def test_grammar_end_ends_the_sequence_even_with_ignore_eos(llm):
 
 
 def test_unbounded_numbers_get_the_interoperable_range():
-    from pagedserve.engine.grammar_backends import SAFE_INTEGER, bounded_numbers
+    from pagedserve.engine.json_schemas import SAFE_INTEGER, bounded_numbers
 
     schema = {"type": "object", "properties": {
         "age": {"type": "integer"}, "x": {"type": "number", "minimum": 0},

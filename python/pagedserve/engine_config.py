@@ -70,6 +70,13 @@ class EngineConfig:
                                        "and a bf16 KV cache; auto: bfloat16 for a bf16 checkpoint run with dtype "
                                        "auto on a CPU with AVX512_BF16 or AMX, else float32",
                                choices=("auto", "float32", "bfloat16"))
+    structured_outputs_backend: str = _knob("auto", "grammar backend of structured outputs and tool calls: auto: "
+                                                    "llguidance where it takes the spec (json schemas, regexes, "
+                                                    "grammars, legacy structural tags), else xgrammar; "
+                                                    "xgrammar: xgrammar alone; llguidance: llguidance alone for "
+                                                    "those kinds, xgrammar for choice, json_object and "
+                                                    "structural tags in the format form",
+                                            choices=("auto", "xgrammar", "llguidance"))
     max_logprobs: int = _knob(20, "most logprobs a request may ask for per token")
     quantization: str = _knob("none", "weights kept quantized in memory: int8 (per output channel, made from any "
                                       "checkpoint at load); a .gguf model keeps its own blocks whatever this says",

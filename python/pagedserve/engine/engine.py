@@ -104,7 +104,8 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_steps_run_ahead = 0
         self.grammars = Grammars(model_dir, self.model_config.vocab_size, self.eos_token_ids,  # structured outputs
-                                 self.config.max_num_seqs, pin_memory=self.worker.device.type == "cuda")
+                                 self.config.max_num_seqs, pin_memory=self.worker.device.type == "cuda",
+                                 backend=self.config.structured_outputs_backend)
         self._recorder = TokenRecorder(self._sequences, self.grammars, self.requests, self.tokenizer,
                                        self.worker.sampler.generator_for)
         self._prompt_logprobs = PromptLogprobs(self._recorder.logprob_entry)  # SamplingParams.prompt_logprobs
@@ -114,7 +115,8 @@ class LLMEngine:
                           dtype=str(self.model_config.dtype).removeprefix("torch."), tokenizer=self.tokenizer,
                           limits=self.limits,
                           default_sampling={**DEFAULT_SAMPLING, **self.model_config.generation_defaults},
-                          architecture=self.model_config.architecture)
+                          architecture=self.model_config.architecture,
+                          structured_outputs_backend=self.config.structured_outputs_backend)
 
     def default_sampling_params(self, **overrides) -> SamplingParams:
         """SamplingParams with the model's defaults (info().default_sampling) under `overrides`."""

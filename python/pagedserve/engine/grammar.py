@@ -2,10 +2,12 @@
 
 `Grammars` (one per engine, its backends built on first use) turns a StructuredOutputsParams into a
 compiled grammar, cached by the spec, when the request is added: a spec that does not compile is a
-RequestError before the request is queued. xgrammar compiles it; where xgrammar refuses a json
-schema, regex, grammar or legacy structural tag, llguidance tries (pagedserve.engine.grammar_backends
-has both, behind one matcher interface), and only when both refuse is the spec an error, naming both
-problems. Which backend compiled is logged and kept on the compiled grammar (`compile(spec).backend`).
+RequestError before the request is queued. Two backends compile (pagedserve.engine.grammar_backends
+has both, behind one matcher interface): by default llguidance takes json schemas and xgrammar the
+other kinds, each falling back to the other for the kinds both take (backend_order; the engine's
+structured_outputs_backend may name one), and only when every backend tried refuses is the spec an
+error, naming each one's problem. Which backend compiled is logged and kept on the compiled grammar
+(`compile(spec).backend`).
 
 Each sample of such a request keeps its own matcher, advanced with every token the engine records
 (TokenRecorder._add_token). Forks (n > 1) fork at the first sampled token: the row that forks is sampled
@@ -32,7 +34,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from pagedserve.engine.grammar_backends import CompiledGrammar, LLGuidanceBackend, XgrammarBackend
+from pagedserve.engine.grammar_backends import CompiledGrammar, LLGuidanceBackend, MaskFiller, XgrammarBackend
 from pagedserve.engine.grammar_step import CHECK_FIRST_SECONDS, CheckFirstPolicy, GrammarStats, GrammarStep
 from pagedserve.errors import RequestError
 from pagedserve.sample.grammar_mask import GrammarMask
@@ -42,10 +44,30 @@ logger = logging.getLogger("pagedserve")
 
 _CACHE_SIZE = 256
 
-# Threads filling a step's masks: 64 masks took 1.08-1.77 / 0.86-1.14 / 0.51-0.65 / 0.46-0.54 / 0.62-0.69 ms
-# on 1 / 2 / 4 / 8 / 16 threads of an H200 host's 16 cores (structured_bench.py's fill scaling, four runs):
-# past 8, the pool's overhead outgrows the work.
+# Threads filling a step's xgrammar masks: 64 masks took 1.08-1.77 / 0.86-1.14 / 0.51-0.65 / 0.46-0.54 /
+# 0.62-0.69 ms on 1 / 2 / 4 / 8 / 16 threads of an H200 host's 16 cores (structured_bench.py's fill scaling,
+# four runs): past 8, the pool's overhead outgrows the work. llguidance's masks take one thread (MaskFiller).
 _FILL_THREADS = 8
+
+BACKENDS = ("auto", "xgrammar", "llguidance")  # EngineConfig.structured_outputs_backend
+
+
+def backend_order(backend: str, kind: str) -> tuple[str, ...]:
+    """The backends that try a spec of `kind`, in turn, under the engine's structured_outputs_backend.
+    "xgrammar" is xgrammar alone; "llguidance" is llguidance for the kinds it takes and xgrammar for the
+    rest (choice, json_object, structural tags in the "format" form), which llguidance has no form of.
+    "auto" gives json schemas to llguidance first: on SmolLM2's own JSON its masks cost a quarter of
+    xgrammar's (5.4 vs 22 us a row on a Zen 4 core, 0.70 vs 3.97 ms for 64 rows on an H200 host's core) and
+    are filled without the GIL, and its JSON strings take no special tokens (xgrammar's take <|im_start|>
+    and the like as text). The other kinds go to xgrammar first, llguidance where xgrammar refuses: its
+    structural tags' first masks took 15-50 ms a step on the H200 host (bench/results/h200/session34.md)."""
+    takes = kind in LLGuidanceBackend.kinds
+    if backend == "xgrammar" or not takes:
+        return ("xgrammar",)
+    if backend == "llguidance":
+        return ("llguidance",)
+    return ("llguidance", "xgrammar") if kind == "json" else ("xgrammar", "llguidance")
+
 
 _SOURCE_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
@@ -58,9 +80,13 @@ class Grammars:
     ones), gives each sample its matcher, advances it, and fills the step's token masks."""
 
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: Sequence[int], max_rows: int,
-                 pin_memory: bool = False, check_first_seconds: float = CHECK_FIRST_SECONDS):
+                 pin_memory: bool = False, check_first_seconds: float = CHECK_FIRST_SECONDS, backend: str = "auto"):
         """check_first_seconds: the host time a step's masks may cost before rows that sample plainly check
-        their draws first (engine/grammar_step.py's CheckFirstPolicy; 0: always check)."""
+        their draws first (engine/grammar_step.py's CheckFirstPolicy; 0: always check). backend: the
+        engine's structured_outputs_backend (see backend_order)."""
+        if backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+        self.backend = backend
         self._model_dir = Path(model_dir)
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
@@ -71,7 +97,7 @@ class Grammars:
         self._llguidance: Optional[LLGuidanceBackend | str] = None  # or why llguidance cannot be used
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._bitmask: Optional[torch.Tensor] = None
-        self._batch_filler = None  # xgrammar's BatchGrammarMatcher, made on first use
+        self._filler = MaskFiller(min(os.cpu_count() or 1, _FILL_THREADS))
         self._ended: list[tuple[object, object]] = []  # (request, sample) whose grammar terminated
         self.stats = GrammarStats()
         self.policy = CheckFirstPolicy(check_first_seconds)  # whether a step checks draws before masking
@@ -114,27 +140,32 @@ class Grammars:
         return compiled
 
     def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """xgrammar, else (for the kinds it takes) llguidance; RequestError naming both problems."""
-        name = _NAMES[spec.kind]
-        try:
-            compiled = self._xgrammar_backend().compile(spec)
-            logger.debug("structured outputs: the %s compiled with xgrammar", name)
+        """The first backend of backend_order that compiles the spec; RequestError naming each one's
+        problem."""
+        name, problems = _NAMES[spec.kind], []
+        order = backend_order(self.backend, spec.kind)
+        for backend in order:
+            try:
+                compiled = self._backend(backend).compile(spec)
+            except RequestError:
+                raise
+            except ImportError:
+                problems.append(f"{backend}: not installed")
+                continue
+            except Exception as err:  # xgrammar raises RuntimeError, ValueError, InvalidJSONError, ...
+                problems.append(f"{backend}: {_first_line(err)}")
+                continue
+            if problems:
+                logger.info("structured outputs: %s cannot compile the %s; %s compiled it", "; ".join(problems),
+                            name, backend)
+            else:
+                logger.debug("structured outputs: the %s compiled with %s", name, backend)
             return compiled
-        except RequestError:
-            raise
-        except Exception as err:  # xgrammar raises RuntimeError, ValueError, InvalidJSONError, ...
-            xgr_problem = _first_line(err)
-        if spec.kind not in LLGuidanceBackend.kinds:
-            raise _not_compiled(name, f"xgrammar: {xgr_problem}")
-        try:
-            compiled = self._llguidance_backend().compile(spec)
-        except ImportError:
-            raise _not_compiled(name, f"xgrammar: {xgr_problem} (llguidance is not installed)") from None
-        except Exception as err:
-            raise _not_compiled(name, f"xgrammar: {xgr_problem}; llguidance: {_first_line(err)}") from None
-        logger.info("structured outputs: xgrammar cannot compile the %s (%s); llguidance compiled it", name,
-                    xgr_problem)
-        return compiled
+        raise RequestError(f"structured_outputs: the {name} cannot be compiled: {'; '.join(problems)}",
+                           "structured_outputs", "invalid_grammar")
+
+    def _backend(self, name: str):
+        return self._xgrammar_backend() if name == "xgrammar" else self._llguidance_backend()
 
     def attach(self, request, have_tokenizer: bool) -> None:
         """Compiles the request's spec (if any) and gives each of its samples (forks included) a matcher."""
@@ -179,22 +210,9 @@ class Grammars:
             words = (self.vocab_size + 31) // 32
             self._bitmask = torch.full((self._max_rows, words), -1, dtype=torch.int32,
                                        pin_memory=self._pin)
-        import xgrammar as xgr
-
-        rows, batch, batch_rows = [], [], []
-        for row, matcher in matchers:
-            if matcher.is_terminated():
-                continue
-            if isinstance(matcher, xgr.GrammarMatcher):
-                batch.append(matcher)
-                batch_rows.append(row)
-            else:
-                matcher.fill_next_token_bitmask(self._bitmask, row)
-            rows.append(row)
-        if batch:  # xgrammar's matchers in one call, on its own threads
-            if self._batch_filler is None:
-                self._batch_filler = xgr.BatchGrammarMatcher(max_threads=min(os.cpu_count() or 1, _FILL_THREADS))
-            self._batch_filler.batch_fill_next_token_bitmask(batch, self._bitmask, batch_rows)
+        live = [(row, matcher) for row, matcher in matchers if not matcher.is_terminated()]
+        self._filler.fill(live, self._bitmask)
+        rows = [row for row, _ in live]
         self.stats.mask_seconds += time.perf_counter() - start
         self.stats.rows_filled += len(rows)
         return GrammarMask(self._bitmask, rows) if rows else None
@@ -215,6 +233,3 @@ def _first_line(err: Exception) -> str:
     return first
 
 
-def _not_compiled(name: str, problems: str) -> RequestError:
-    return RequestError(f"structured_outputs: the {name} cannot be compiled: {problems}", "structured_outputs",
-                        "invalid_grammar")

@@ -1,9 +1,9 @@
-"""The two grammar engines behind structured outputs: xgrammar first, llguidance where xgrammar cannot.
+"""The two grammar engines behind structured outputs, xgrammar and llguidance.
 
-xgrammar compiles every kind and is fast, but refuses some schemas and regexes (Unicode classes such as
-\\p{L}, JSON pointers with escapes like "#/$defs/a~1b", integer bounds given as 0.5, ...). llguidance
-implements another subset, so for json schemas, regexes, grammars and legacy structural tags it is the
-fallback (pagedserve.engine.grammar decides; this module only compiles).
+xgrammar compiles every kind but refuses some schemas and regexes (Unicode classes such as \\p{L}, JSON
+pointers with escapes like "#/$defs/a~1b", integer bounds given as 0.5, ...); llguidance compiles json
+schemas, regexes, grammars and legacy structural tags, another subset. Which one a spec goes to first is
+pagedserve.engine.grammar's choice (its BACKEND_ORDER); this module compiles, and fills a step's masks.
 
 Both backends give `CompiledGrammar`s whose `new_matcher()` matchers share one interface, the one of
 xgrammar's GrammarMatcher that the engine already uses:
@@ -26,6 +26,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pagedserve.engine import structural_tag
+from pagedserve.engine.json_schemas import as_xgrammar_reads_it, json_schema_text
 from pagedserve.errors import RequestError
 from pagedserve.sampling_params import StructuredOutputsParams
 
@@ -41,65 +42,6 @@ class CompiledGrammar:
 
     backend: str  # "xgrammar" or "llguidance"
     new_matcher: Callable[[], object]
-
-
-def json_schema_text(spec: StructuredOutputsParams) -> str:
-    """The spec's JSON schema as JSON text; RequestError when it is not a JSON object (the spec is at
-    fault, whichever backend compiles it)."""
-    schema = spec.json
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except ValueError as err:
-            raise RequestError(f"structured_outputs: the json schema is not valid JSON: {err}",
-                               "structured_outputs", "invalid_grammar") from None
-    if not isinstance(schema, dict):
-        raise RequestError("structured_outputs: the json schema must be a JSON object", "structured_outputs",
-                           "invalid_grammar")
-    return json.dumps(bounded_numbers(schema))
-
-
-# JSON's interoperable range (RFC 8259 section 6): |n| <= 2**53 - 1. A number or integer the schema leaves
-# unbounded gets these bounds, which cap its digits (xgrammar writes bounded ranges with bounded digits, the
-# fraction's too): small models otherwise repeat a digit until max_tokens (SmolLM2-135M wrote "age":
-# 2018635749668888888... at temperature 0.3). llama.cpp caps digits the same way (16).
-SAFE_INTEGER = 2**53 - 1
-_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
-
-def map_subschemas(schema, visit):
-    """A copy of `schema` with `visit` applied to each subschema (a dict), innermost first. Values under
-    const/enum/default/examples are data and stay as they are; under properties, $defs and the like, the
-    names are names (a property may be called "properties" or "type")."""
-    if isinstance(schema, list):
-        return [map_subschemas(s, visit) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
-            out[key] = value
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: map_subschemas(sub, visit) for name, sub in value.items()}
-        else:
-            out[key] = map_subschemas(value, visit)
-    visit(out)
-    return out
-
-
-def bounded_numbers(schema):
-    """A copy of `schema` where every number or integer subschema without a lower (upper) bound gets
-    -SAFE_INTEGER (SAFE_INTEGER)."""
-    return map_subschemas(schema, _bound_number)
-
-
-def _bound_number(subschema: dict) -> None:
-    if subschema.get("type") in ("integer", "number"):
-        if "minimum" not in subschema and "exclusiveMinimum" not in subschema:
-            subschema["minimum"] = -SAFE_INTEGER
-        if "maximum" not in subschema and "exclusiveMaximum" not in subschema:
-            subschema["maximum"] = SAFE_INTEGER
 
 
 class XgrammarBackend:
@@ -159,20 +101,32 @@ class LLGuidanceBackend:
         _check_reads_alike(tokenizer, self._tokenizer)
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
-        """ValueError (llguidance's message) when llguidance cannot compile the spec."""
+        """ValueError (llguidance's message) when llguidance cannot compile the spec; RequestError for a
+        json schema with keywords llguidance does not implement (uniqueItems, not, if/then,
+        dependentRequired, ...): xgrammar, the other backend, compiles those but ignores them, and its output
+        could break them."""
         import llguidance
 
-        template = llguidance.LLMatcher(self._tokenizer, self._grammar(spec), log_level=0)
-        if template.is_error():
-            raise ValueError(template.get_error())
-        return CompiledGrammar(self.name, lambda: LLGuidanceMatcher(template.deep_copy()))
+        try:
+            template = llguidance.LLMatcher(self._tokenizer, self._grammar(spec), log_level=0)
+            error = template.get_error() if template.is_error() else None
+        except ValueError as err:
+            error = str(err)
+        if error is None:
+            return CompiledGrammar(self.name, lambda: LLGuidanceMatcher(template.deep_copy()))
+        if spec.kind == "json" and error.startswith(_UNIMPLEMENTED):
+            keys = error.splitlines()[0].removeprefix(_UNIMPLEMENTED).strip()
+            raise RequestError(f"structured_outputs: the json schema uses keywords that are not enforced here: {keys}; "
+                               f"remove them (xgrammar would ignore them, so it is not used)", "structured_outputs",
+                               "invalid_grammar")
+        raise ValueError(error)
 
     @staticmethod
     def _grammar(spec: StructuredOutputsParams) -> str:
         import llguidance
 
         if spec.kind == "json":  # the JSON that xgrammar's settings (XgrammarBackend._compile) allow
-            schema = json.dumps(strict_schema(json.loads(json_schema_text(spec))))
+            schema = json.dumps(as_xgrammar_reads_it(json.loads(json_schema_text(spec))))
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_llguidance_json_options(spec))
         if spec.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.regex)
@@ -183,6 +137,7 @@ class LLGuidanceBackend:
         raise ValueError(f"llguidance is not used for {spec.kind}")
 
 
+_UNIMPLEMENTED = "Unimplemented keys:"  # llguidance's words for schema keywords it does not implement
 _PROBE = '{"name": "Zoë", "n": [1, 2]}\n\t- ok'
 
 
@@ -206,21 +161,6 @@ def _llguidance_json_options(spec: StructuredOutputsParams) -> dict:
     if spec.disable_any_whitespace:
         return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
     return {"whitespace_flexible": True, "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE_RUN}}}"}
-
-
-def strict_schema(schema):
-    """A copy of `schema` closed as xgrammar's strict mode closes it: a subschema with properties and nothing
-    said of additional, unevaluated or pattern properties gets additionalProperties false; one with
-    prefixItems and no items gets items false."""
-    return map_subschemas(schema, _close)
-
-
-def _close(subschema: dict) -> None:
-    if "properties" in subschema and not {"additionalProperties", "unevaluatedProperties",
-                                          "patternProperties"} & subschema.keys():
-        subschema["additionalProperties"] = False
-    if "prefixItems" in subschema and not {"items", "unevaluatedItems"} & subschema.keys():
-        subschema["items"] = False
 
 
 def _llguidance_structural_tag(tag: dict) -> str:
@@ -256,6 +196,11 @@ class LLGuidanceMatcher:
     def __init__(self, matcher):
         self._matcher = matcher
 
+    @property
+    def raw(self):
+        """The llguidance.LLMatcher itself (MaskFiller hands it to llguidance's executor)."""
+        return self._matcher
+
     def accept_token(self, token: int) -> bool:
         return self._matcher.consume_token(token)
 
@@ -278,3 +223,42 @@ class LLGuidanceMatcher:
     @property
     def error(self) -> Optional[str]:
         return self._matcher.get_error() if self._matcher.is_error() else None
+
+
+class MaskFiller:
+    """Fills a step's masks, each backend's rows in one call (pools made on first use): xgrammar's on
+    `xgrammar_threads` threads of its BatchGrammarMatcher, which holds the GIL throughout; llguidance's on
+    one thread of its LLExecutor, which drops it. More threads made llguidance slower: 64 rows of SmolLM2's
+    JSON took 0.70 / 0.88 / 0.94 / 1.08 ms a step on 1 / 2 / 4 / 8 threads of an H200 host (xgrammar's:
+    3.97 / 2.35 / 1.30 / 0.96), and a pool shares the cores with torch's threads, which the one thread
+    did not feel (bench/results/h200/session34.md). Rows of both backends share the bitmask."""
+
+    def __init__(self, xgrammar_threads: int):
+        self._xgrammar_threads = xgrammar_threads
+        self._xgrammar = None
+        self._llguidance = None
+
+    def fill(self, pairs: Sequence[tuple[int, object]], bitmask: torch.Tensor) -> None:
+        """Writes the mask of each (row, matcher) pair into its row of `bitmask` (contiguous int32, on the
+        host); terminated matchers are the caller's to leave out."""
+        xgr_rows, xgr_matchers, llg = [], [], []
+        for row, matcher in pairs:
+            if isinstance(matcher, LLGuidanceMatcher):
+                llg.append((matcher.raw, row))
+            else:
+                xgr_rows.append(row)
+                xgr_matchers.append(matcher)
+        if llg:
+            if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+                raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+            if self._llguidance is None:
+                import llguidance
+
+                self._llguidance = llguidance.LLExecutor(num_threads=1)
+            self._llguidance.unsafe_compute_mask_ptr(llg, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        if xgr_matchers:
+            if self._xgrammar is None:
+                import xgrammar as xgr
+
+                self._xgrammar = xgr.BatchGrammarMatcher(max_threads=self._xgrammar_threads)
+            self._xgrammar.batch_fill_next_token_bitmask(xgr_matchers, bitmask, xgr_rows)

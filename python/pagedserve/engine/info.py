@@ -21,3 +21,4 @@ class EngineInfo:
     # repetition_penalty: only the keys it sets); SamplingParams() fills the rest.
     default_sampling: dict[str, Any] = field(default_factory=dict)
     architecture: str = ""  # config.json's, e.g. "LlamaForCausalLM" (picks the tool-call parser)
+    structured_outputs_backend: str = "auto"  # EngineConfig's: which grammar backend compiles a spec first

@@ -46,5 +46,6 @@ class RequestCheck:
             raise RequestError("structured_outputs needs the model's tokenizer", "structured_outputs",
                                "no_tokenizer")
         if self._grammars is None:
-            self._grammars = Grammars(self._info.model_path, self._info.limits.vocab_size, self._eos, max_rows=1)
+            self._grammars = Grammars(self._info.model_path, self._info.limits.vocab_size, self._eos, max_rows=1,
+                                     backend=self._info.structured_outputs_backend)
         self._grammars.compile(spec)  # RequestError when it does not
