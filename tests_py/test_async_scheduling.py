@@ -102,7 +102,9 @@ def test_same_outputs_with_and_without_run_ahead(engines):
     for i, (w, g) in enumerate(zip(want, got)):
         assert g == w, f"request {i} ({params[i]})"
     stats = ahead.llm_engine.stats()
-    assert stats["num_steps_run_ahead"] > 20
+    # Steps without grammar rows or prompt logprobs ran ahead: 18 on an H200 (whole prompts, one batch of
+    # decodes), more on the CPU (chunked prompts, preemptions).
+    assert stats["num_steps_run_ahead"] > 10
     assert plain.llm_engine.stats()["num_steps_run_ahead"] == 0
     if on_cpu:
         assert stats["num_preemptions"] > 0  # the small pool did preempt

@@ -154,6 +154,32 @@ def test_llguidance_matcher_fills_xgrammar_layout(llm):
     assert refused.is_terminated()  # a refused token ends it: the engine ends the sample
 
 
+def test_mask_filler_writes_each_row_as_its_matcher_would(llm):
+    """One step's batch fill (engine/grammar_backends.py MaskFiller: xgrammar's pool and llguidance's executor
+    into one bitmask) writes, in each pair's row, what that matcher fills alone, and leaves the other rows."""
+    from pagedserve.engine.grammar_backends import MaskFiller
+
+    engine = llm.llm_engine
+    grammars = engine.grammars
+    vocab = grammars.vocab_size
+    specs = [StructuredOutputsParams(json=PLAIN_SCHEMA), StructuredOutputsParams(regex=r"(yes|no) [0-9]{2}")]
+    matchers = [backend.compile(spec).new_matcher() for spec in specs
+                for backend in (grammars._xgrammar_backend(), grammars._llguidance_backend())]
+    prefixes = ['{"name": "Al', "yes"]
+    for i, matcher in enumerate(matchers):
+        for token in engine.tokenizer.encode(prefixes[i // 2], add_special_tokens=False):
+            assert matcher.accept_token(token)
+    pairs = [(5, matchers[0]), (0, matchers[1]), (2, matchers[2]), (6, matchers[3])]  # rows out of order
+    batch = torch.full((8, (vocab + 31) // 32), -1, dtype=torch.int32)
+    MaskFiller(2).fill(pairs, batch)
+    alone = torch.zeros((1, batch.shape[1]), dtype=torch.int32)
+    for row, matcher in pairs:
+        matcher.fill_next_token_bitmask(alone, 0)
+        assert torch.equal(batch[row], alone[0]), row
+        assert 0 < len(_allowed(batch, row, vocab)) < vocab
+    assert all(bool((batch[row] == -1).all()) for row in (1, 3, 4, 7))
+
+
 LAYOUT_SCHEMA = {"type": "object", "properties": {
     "a": {"type": "array", "items": {"type": "integer"}},
     "properties": {"type": "object", "properties": {"b": {"type": "boolean"}}},  # a property named so

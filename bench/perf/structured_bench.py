@@ -13,11 +13,13 @@ its masks (about 15x the host time per token of the first on a Zen 4 core). A th
 tools template: a structural tag over free text (calls after <tool_call> must be valid). These rows
 sample plainly (temperature 0.7): where a step's masks cost more than CHECK_FIRST_SECONDS, each draw is
 checked by the grammar and only refused rows get a mask and draw again (engine/grammar_step.py); the
-table gives the refused share and both host costs.
+table gives the refused share and both host costs. Last, the JSON schema case's outputs are replayed through
+each backend's masks (xgrammar on 1..N threads, llguidance on its one): what a step's masks cost the host.
 
     PYTHONPATH=python python bench/perf/structured_bench.py [--device cpu] [--runs 2]
     python bench/perf/structured_bench.py --quick     # 4 requests, 16 tokens: checks the script works
     python bench/perf/structured_bench.py --model DIR --load-format dummy   # a model's config and tokenizer only
+    python bench/perf/structured_bench.py --option structured_outputs_backend=xgrammar   # JSON by xgrammar too
 
 Prints a table and writes bench/results/structured_<device>.json and .md (_quick with --quick).
 """
@@ -27,7 +29,6 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.report import add_engine_options, arg_parser, engine_options, markdown_table, save  # noqa: E402
@@ -112,6 +113,7 @@ def main() -> None:
     }
     llm.generate([PROMPT] * 2, cases["unconstrained"], use_tqdm=False)  # warm up
     best: dict[str, dict] = {}
+    written: list[list[int]] = []  # the JSON schema case's outputs, replayed by mask_replay
     for _ in range(args.runs):
         for name, params in cases.items():
             g = engine.grammars.stats
@@ -122,6 +124,8 @@ def main() -> None:
             outs = llm.generate([PROMPT] * args.num_requests, params, use_tqdm=False)
             wall = time.perf_counter() - start
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            if name == "json schema":
+                written = [list(o.outputs[0].token_ids) for o in outs]
             mask, check = g.mask_seconds - mask0, g.check_seconds - check0
             checked, refused = g.rows_checked - checked0, g.rows_refused - refused0
             launch, wait = phases["launch"], phases["wait"]
@@ -145,7 +149,7 @@ def main() -> None:
                                  "mask_ms_per_step", "check_ms_per_step", "refused_pct", "launch_ms_per_step",
                                  "wait_ms_per_step",
                                  "other_host_ms_per_step", "finish"])
-    fills = fill_scaling(engine, args.num_requests, args.model)
+    fills = mask_replay(engine, written)
     compile_table = markdown_table([{"compile": k, "ms": 1000 * v} for k, v in compile_s.items()],
                                    ["compile", "ms"])
     overlap = "while the device runs the forward" if args.device != "cpu" else "on the calling thread, no overlap"
@@ -156,49 +160,54 @@ def main() -> None:
           f"rows (refused %) get a mask (mask) and draw again, after the first draw reaches the host. Per step: launch = host time queuing the "
           f"forward and sampling; wait = host time waiting for the sampled ids, checks and redraws included; "
           f"other = the rest of the step on the host (scheduling, recording tokens, advancing matchers).\n\n{compile_table}\n\n"
-          f"xgrammar's batch fill of {args.num_requests} masks mid-string (host):\n\n"
-          f"{markdown_table(fills, ['threads', 'ms'])}")
+          f"The JSON schema case's {len(written)} outputs replayed through each backend's masks (host, one batch "
+          f"fill a step, as the engine fills them; the engine's backend for json schemas: "
+          f"{engine.info().structured_outputs_backend}, see engine/grammar.py backend_order):\n\n"
+          f"{markdown_table(fills, ['backend', 'threads', 'ms_per_step_median', 'ms_per_step_mean', 'us_per_row'])}")
     print(md)
     name = f"structured_{args.device}" + ("_quick" if args.quick else "")
-    path = save(name, {"rows": rows, "ratio": ratio, "fill_scaling": fills, "tools_auto_ratio": tag_ratio, "bounded_strings_ratio": bounded_ratio,
+    path = save(name, {"rows": rows, "ratio": ratio, "mask_replay": fills, "tools_auto_ratio": tag_ratio, "bounded_strings_ratio": bounded_ratio,
                        "compact_ratio": compact_ratio, "compile_s": compile_s,
                        "max_tokens": args.max_tokens},
                 md, args.out)
     print(f"wrote {path}")
 
 
-def fill_scaling(engine, count: int, model: Optional[str]) -> list[dict]:
-    """ms for xgrammar to fill `count` masks in one batch call, by thread count, every matcher inside a
-    string of the long schema: how far the host's cores speed up the per-step mask."""
+def mask_replay(engine, written: list[list[int]]) -> list[dict]:
+    """Host ms a step to fill the masks of `written` (token ids the engine wrote under LONG_SCHEMA), every
+    row in one batch fill a step as the engine fills them: xgrammar by thread count, llguidance on its one
+    thread (engine/grammar_backends.py MaskFiller)."""
     import os
+    import statistics
 
     import torch
-    import xgrammar as xgr
 
     from pagedserve import StructuredOutputsParams
+    from pagedserve.engine.grammar import Grammars
+    from pagedserve.engine.grammar_backends import MaskFiller
 
-    grammars = engine.grammars
-    compiled = grammars.compile(StructuredOutputsParams(json=LONG_SCHEMA))
-    from transformers import AutoTokenizer
-
-    from pagedserve.models.default_model import default_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(model or str(default_model_dir()), local_files_only=True)
-    matchers = [compiled.new_matcher() for _ in range(count)]
-    for matcher in matchers:
-        for token in tokenizer.encode('[\n  "apple",\n  "banana is yellow'):
-            matcher.accept_token(token)
-    bitmask = torch.zeros((count, (grammars.vocab_size + 31) // 32), dtype=torch.int32)
-    rows = []
-    for threads in sorted({1, 2, 4, 8, 16, os.cpu_count() or 1}):
-        if threads > (os.cpu_count() or 1):
-            continue
-        filler = xgr.BatchGrammarMatcher(max_threads=threads)
-        filler.batch_fill_next_token_bitmask(matchers, bitmask, list(range(count)))
-        start = time.perf_counter()
-        for _ in range(20):
-            filler.batch_fill_next_token_bitmask(matchers, bitmask, list(range(count)))
-        rows.append({"threads": threads, "ms": 1000 * (time.perf_counter() - start) / 20})
+    info, rows = engine.info(), []
+    spec = StructuredOutputsParams(json=LONG_SCHEMA)
+    bitmask = torch.zeros((max(len(written), 1), (info.limits.vocab_size + 31) // 32), dtype=torch.int32)
+    cpus = os.cpu_count() or 1
+    runs = [("xgrammar", t) for t in sorted({1, 2, 4, 8, 16, cpus}) if t <= cpus] + [("llguidance", 1)]
+    for backend, threads in runs:
+        grammars = Grammars(info.model_path, info.limits.vocab_size, engine.eos_token_ids, max_rows=len(written),
+                            backend=backend)
+        compiled = grammars.compile(spec)
+        filler, matchers, steps, filled = MaskFiller(threads), [compiled.new_matcher() for _ in written], [], 0
+        for position in range(max(map(len, written), default=0)):
+            live = [(row, m) for row, m in enumerate(matchers) if position < len(written[row]) and not m.is_terminated()]
+            start = time.perf_counter()
+            filler.fill(live, bitmask)
+            steps.append(time.perf_counter() - start)
+            filled += len(live)
+            for row, matcher in live:
+                matcher.accept_token(written[row][position])
+        rows.append({"backend": compiled.backend, "threads": threads,
+                     "ms_per_step_median": 1000 * statistics.median(steps) if steps else 0.0,
+                     "ms_per_step_mean": 1000 * statistics.fmean(steps) if steps else 0.0,
+                     "us_per_row": 1e6 * sum(steps) / max(filled, 1)})
     return rows
 
 
