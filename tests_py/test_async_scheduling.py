@@ -139,25 +139,3 @@ def test_abort_while_a_step_is_advanced(engines):
     assert all(len(o.outputs[0].token_ids) == 40 for o in done.values())
     assert engine.stats()["num_used_blocks"] == 0
     assert not engine.scheduler.has_advanced
-
-
-def test_grammar_steps_run_ahead_with_the_same_outputs(engines):
-    """Greedy JSON rows alone: every step has grammar rows, and each is run ahead (its draw deferred until
-    the masks, filled on their own thread, are in; queued before the next forward), with the plain loop's
-    tokens and texts, valid JSON."""
-    plain, ahead = engines
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array",
-              "items": {"type": "string"}}}, "required": ["name", "tags"]}
-    params = SamplingParams(temperature=0.0, max_tokens=40,
-                            structured_outputs=StructuredOutputsParams(json=schema, disable_any_whitespace=True))
-    prompts = [{"prompt_token_ids": [100 + 7 * i, 2000 + i, 300, 4000 + 11 * i]} for i in range(5)]
-    before = ahead.llm_engine.stats()["num_steps_run_ahead"]
-    want = [outcome(o) for o in plain.generate(prompts, params, use_tqdm=False)]
-    got = [outcome(o) for o in ahead.generate(prompts, params, use_tqdm=False)]
-    assert got == want
-    assert ahead.llm_engine.stats()["num_steps_run_ahead"] - before >= 20
-    for rows in want:
-        text, reason = rows[0][2], rows[0][3]
-        assert reason == "length" or set(json.loads(text)) == {"name", "tags"}, text
-    for llm in engines:
-        assert llm.llm_engine.stats()["num_used_blocks"] == 0

@@ -2,8 +2,7 @@
 the grammar checks the draws, and only refused rows draw again under their masks. The oracle is the same
 sampler given every row's filled mask up front: the tokens must be the same, row for row, for greedy and
 temperature rows, both grammar backends, a terminated grammar and an unconstrained row; the check must
-leave every matcher where it was. Also: when checking is chosen, a draw deferred until the masks filled on
-their own thread are in, and the engine end to end."""
+leave every matcher where it was. Also: when checking is chosen, and the engine end to end."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ import torch
 
 from pagedserve import SamplingParams, StructuredOutputsParams
 from pagedserve.engine.grammar import Grammars
-from pagedserve.engine.grammar_backends import LLGuidanceBackend, XgrammarBackend
-from pagedserve.engine.grammar_masks import MaskFiller
 from pagedserve.engine.grammar_step import (CHECK_FIRST_SECONDS, EXPLORE_CHECK_EVERY, EXPLORE_FILL_EVERY,
                                              CheckFirstPolicy)
 from pagedserve.sample.sampler import Sampler, SamplingRow
@@ -40,8 +37,10 @@ def grammars(default_model_path):
 def _matchers(grammars: Grammars, tokenizer, num_rows: int) -> tuple[list, list[list[int]]]:
     """(row, matcher) pairs at different points of TEXT (xgrammar for even rows, llguidance for odd rows);
     row 5 unconstrained, row 6 terminated; each row's valid continuation."""
+    from pagedserve.engine.grammar_backends import LLGuidanceBackend
+
     spec = StructuredOutputsParams(json=SCHEMA)
-    xgr_grammar = XgrammarBackend(tokenizer, grammars.vocab_size, [tokenizer.eos_token_id]).compile(spec)
+    xgr_grammar = grammars.compile(spec)
     try:
         llg_grammar = LLGuidanceBackend(tokenizer, grammars.vocab_size, [tokenizer.eos_token_id]).compile(spec)
     except ValueError:  # llguidance misreads this tokenizer (transformers 5.17's GGUF conversion): xgrammar only
@@ -150,46 +149,6 @@ def test_sampler_fills_every_mask_where_checking_does_not_pay(default_model_path
     assert filling.stats.rows_checked == 0 and filling.stats.rows_filled == 4
     for (_, matcher), token in zip(pairs, out):
         assert matcher.accept_token(token)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_a_draw_waiting_for_its_masks_is_the_masked_draw(default_model_path, grammars, device):
-    """Where rows sample plainly and the step fills every mask, the masks fill on their own thread and the
-    draw is deferred (PendingSamples.deferred, its ids on the device already): queued once by launch(),
-    it gives the tokens of the same draw given every mask up front (both backends, a terminated row, an
-    unconstrained row)."""
-    _, tokenizer = grammars
-    filling = Grammars(default_model_path, len(tokenizer), [tokenizer.eos_token_id], max_rows=32)
-    num_rows = 24
-    pairs, _ = _matchers(filling, tokenizer, num_rows)
-    logits = (torch.randn(num_rows, filling.vocab_size, generator=torch.Generator().manual_seed(5)) * 3).to(device)
-    rows = [SamplingRow(SamplingParams(temperature=0.0 if r % 3 == 0 else 0.9), 1, [1], []) for r in range(num_rows)]
-    eos = [tokenizer.eos_token_id]
-    expected = Sampler(device, filling.vocab_size, eos, seed=3).launch(logits, rows, filling.fill(pairs))
-    step = filling.step(pairs)
-    assert not step.check_first
-    pending = Sampler(device, filling.vocab_size, eos, seed=3).launch(logits, rows, step)
-    assert pending.device_ids is not None and pending.device_ids.device.type == device
-    filled = filling.stats.rows_filled
-    pending.launch()
-    pending.launch()  # once
-    assert filling.stats.rows_filled - filled == len(pairs) - 1  # the terminated row needs no mask
-    assert pending.result().token_ids == expected.result().token_ids
-    assert pending.device_ids.tolist() == expected.result().token_ids
-
-
-def test_a_fill_that_fails_on_the_mask_thread_raises_where_it_is_awaited(grammars):
-    grammars, tokenizer = grammars
-    compiled = XgrammarBackend(tokenizer, grammars.vocab_size, [tokenizer.eos_token_id]).compile(
-        StructuredOutputsParams(json=SCHEMA))
-    filler = MaskFiller(1)
-    too_few_rows = torch.zeros((1, (grammars.vocab_size + 31) // 32), dtype=torch.int32)
-    job = filler.start([(3, compiled.new_matcher())], too_few_rows)  # row 3 of a 1-row bitmask
-    with pytest.raises(Exception):
-        job.wait()
-    bitmask = torch.zeros((4, too_few_rows.shape[1]), dtype=torch.int32)
-    filler.start([(3, compiled.new_matcher())], bitmask).wait()  # the thread goes on
-    assert bitmask[3].any() and not bitmask[:3].any()
 
 
 def test_engine_checks_draws_and_masks_only_refused_rows(default_model_path):

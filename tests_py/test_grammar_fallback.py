@@ -155,9 +155,9 @@ def test_llguidance_matcher_fills_xgrammar_layout(llm):
 
 
 def test_mask_filler_writes_each_row_as_its_matcher_would(llm):
-    """One step's batch fill (engine/grammar_masks.py MaskFiller: xgrammar's pool and llguidance's executor
+    """One step's batch fill (engine/grammar_backends.py MaskFiller: xgrammar's pool and llguidance's executor
     into one bitmask) writes, in each pair's row, what that matcher fills alone, and leaves the other rows."""
-    from pagedserve.engine.grammar_masks import MaskFiller
+    from pagedserve.engine.grammar_backends import MaskFiller
 
     engine = llm.llm_engine
     grammars = engine.grammars

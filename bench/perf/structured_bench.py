@@ -56,7 +56,6 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2, help="timed runs of each case (interleaved); best is kept")
-    ap.add_argument("--skip-replay", action="store_true", help="leave out the masks' replay (A/B runs of throughput)")
     add_engine_options(ap)
     args = ap.parse_args()
     if args.quick:
@@ -150,25 +149,21 @@ def main() -> None:
                                  "mask_ms_per_step", "check_ms_per_step", "refused_pct", "launch_ms_per_step",
                                  "wait_ms_per_step",
                                  "other_host_ms_per_step", "finish"])
-    fills = [] if args.skip_replay else mask_replay(engine, written)
+    fills = mask_replay(engine, written)
     compile_table = markdown_table([{"compile": k, "ms": 1000 * v} for k, v in compile_s.items()],
                                    ["compile", "ms"])
-    overlap = "while the device runs it" if args.device != "cpu" else "after it, on the host's cores"
+    overlap = "while the device runs the forward" if args.device != "cpu" else "on the calling thread, no overlap"
     md = (f"{table}\n\nJSON schema throughput: {100 * ratio:.1f}% of unconstrained ({100 * compact_ratio:.1f}% "
-          f"compact, {100 * bounded_ratio:.1f}% with bounded string lengths); tools auto (structural tag): "
-          f"{100 * tag_ratio:.1f}%. Masks start filling on their own thread once the forward is queued ({overlap}), "
-          f"while the engine's thread records, emits and schedules; the draw that needs them is queued just before "
-          f"the next forward. Where they would cost more than CHECK_FIRST_SECONDS a step, rows that sample "
+          f"compact, {100 * bounded_ratio:.1f}% with bounded string lengths); tools auto (structural tag): {100 * tag_ratio:.1f}%. Masks are filled once the forward is "
+          f"queued ({overlap}); where they would cost more than CHECK_FIRST_SECONDS a step, rows that sample "
           f"plainly (temperature, as here) draw unmasked, the grammar checks each draw (check) and only refused "
-          f"rows (refused %) get a mask (mask) and draw again, after the first draw reaches the host. Per step: "
-          f"mask = the fill's own time; launch = host time queuing the forward (and a draw not deferred); "
-          f"wait = host time waiting for the sampled ids, checks and redraws included; other = the rest of the "
-          f"step on the host (scheduling, recording tokens, advancing matchers, waiting for deferred masks).\n\n{compile_table}")
-    if fills:
-        md += (f"\n\nThe JSON schema case's {len(written)} outputs replayed through each backend's masks (host, one "
-               f"batch fill a step, as the engine fills them; the engine's backend for json schemas: "
-               f"{engine.info().structured_outputs_backend}, see engine/grammar.py backend_order):\n\n"
-               f"{markdown_table(fills, ['backend', 'threads', 'ms_per_step_median', 'ms_per_step_mean', 'us_per_row'])}")
+          f"rows (refused %) get a mask (mask) and draw again, after the first draw reaches the host. Per step: launch = host time queuing the "
+          f"forward and sampling; wait = host time waiting for the sampled ids, checks and redraws included; "
+          f"other = the rest of the step on the host (scheduling, recording tokens, advancing matchers).\n\n{compile_table}\n\n"
+          f"The JSON schema case's {len(written)} outputs replayed through each backend's masks (host, one batch "
+          f"fill a step, as the engine fills them; the engine's backend for json schemas: "
+          f"{engine.info().structured_outputs_backend}, see engine/grammar.py backend_order):\n\n"
+          f"{markdown_table(fills, ['backend', 'threads', 'ms_per_step_median', 'ms_per_step_mean', 'us_per_row'])}")
     print(md)
     name = f"structured_{args.device}" + ("_quick" if args.quick else "")
     path = save(name, {"rows": rows, "ratio": ratio, "mask_replay": fills, "tools_auto_ratio": tag_ratio, "bounded_strings_ratio": bounded_ratio,
@@ -181,7 +176,7 @@ def main() -> None:
 def mask_replay(engine, written: list[list[int]]) -> list[dict]:
     """Host ms a step to fill the masks of `written` (token ids the engine wrote under LONG_SCHEMA), every
     row in one batch fill a step as the engine fills them: xgrammar by thread count, llguidance on its one
-    thread (engine/grammar_masks.py MaskFiller)."""
+    thread (engine/grammar_backends.py MaskFiller)."""
     import os
     import statistics
 
@@ -189,7 +184,7 @@ def mask_replay(engine, written: list[list[int]]) -> list[dict]:
 
     from pagedserve import StructuredOutputsParams
     from pagedserve.engine.grammar import Grammars
-    from pagedserve.engine.grammar_masks import MaskFiller
+    from pagedserve.engine.grammar_backends import MaskFiller
 
     info, rows = engine.info(), []
     spec = StructuredOutputsParams(json=LONG_SCHEMA)

@@ -57,9 +57,9 @@ class EngineConfig:
                                          "models/batch_invariant.py). The CPU always is")
     async_scheduling: str = _knob("auto", "schedule step N+1 and queue its forward before step N's tokens reach the "
                                           "host, so the device does not wait for the host between steps (same tokens "
-                                          "and logprobs; a step with prompt logprobs, a prompt forking into n "
-                                          "samples or draws checked against a grammar on the host waits as "
-                                          "before); auto: on with CUDA and one process", choices=("auto", "on", "off"))
+                                          "and logprobs; a step with grammar rows, prompt logprobs or a prompt "
+                                          "forking into n samples waits as before); auto: on with CUDA and one "
+                                          "process", choices=("auto", "on", "off"))
     cpu_fused_layers: bool = _knob(True, "CPU, packed weights: run every decoder layer of a step as one C++ call "
                                          "(the same ops, bit-identical results, less Python per step)")
     cpu_weight_dtype: str = _knob("auto", "CPU, float32 models: store linear weights as bf16 tiles (auto: when that "

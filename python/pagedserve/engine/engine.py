@@ -25,10 +25,7 @@ device. Then, while the device runs that forward, the advanced step's tokens
 are committed (C++: EOS, stop ids, max_tokens, as update() applies them) and
 recorded, and only then are the new step's sampling rows and grammar masks
 built, so penalties, min_tokens and grammars see every token (a step with
-prompt logprobs, or whose draws the host checks against a grammar, is not
-itself run ahead: _may_run_ahead). A draw under grammar masks is queued once
-they are filled, on their own thread while the host records, emits and
-schedules the next step, just before that step's forward. The device no
+grammar rows or prompt logprobs is not itself run ahead: _may_run_ahead). The device no
 longer waits for scheduling and input copies between steps; a row whose
 sequence the commit finishes ran once more, and its token is dropped. Tokens
 and logprobs are the same either way.
@@ -185,10 +182,11 @@ class LLMEngine:
         """Runs one step; returns the outputs it produced (see add_request's `stream`)."""
         out = self.scheduler.schedule()
         self._note_schedule(out)
-        pending = self._launch(out) if out.num_seqs else None
+        matchers: list = []  # (row, grammar) of the step's constrained rows, filled by the launch
+        pending = self._launch(out, matchers) if out.num_seqs else None
         self._catch_up()  # the last step's tokens, while the device runs this one, if the launch did not
         outputs = self._recorder.emit()  # overlaps the device's work on this step
-        if pending is not None and self._may_run_ahead(out, pending):
+        if pending is not None and self._may_run_ahead(out, pending, matchers):
             self.scheduler.advance()
             self._advanced = (out, pending)
             self.num_steps_run_ahead += 1
@@ -202,14 +200,13 @@ class LLMEngine:
             outputs += self._recorder.emit()  # nothing left to overlap with
         return outputs
 
-    def _may_run_ahead(self, out, pending) -> bool:
+    def _may_run_ahead(self, out, pending, matchers: list) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host: run-ahead is on,
-        no prompt forks here (update() makes the children), the samples are final on the device (not a
-        draw the host checks against a grammar), and the step computed no prompt logprobs (the next plan
-        counts recorded positions). A step whose draw waits for grammar masks (PendingSamples.deferred) is
-        queued just before the next forward (_launch), so its masks fill while the host records, emits and
-        schedules."""
-        return (self._run_ahead and pending.device_ids is not None
+        no prompt forks here (update() makes the children), the samples are final on the device, the step
+        computed no prompt logprobs (the next plan counts recorded positions), and no row is under a grammar. Run
+        ahead, grammar steps were exact but slower on an H200 (64 rows, SmolLM2: JSON schema 28.3k -> 26.2k
+        tok/s, tools auto 38.1k -> 31.8k; bench/results/h200/session31.md), so they keep the plain order."""
+        return (self._run_ahead and not matchers and pending.device_ids is not None
                 and out.total_samples == len(out.sample_rows) and self._prompt_logprobs.idle)
 
     def _catch_up(self) -> None:
@@ -250,16 +247,13 @@ class LLMEngine:
                     request.metrics.first_scheduled_time = now
                     request.num_cached_tokens = int(positions[qsl[row]])
 
-    def _launch(self, out):
+    def _launch(self, out, matchers: list):
         """The step on the device; its sampling rows and their grammars are made once the forward is
-        queued (on CUDA while the device runs it: at 64 rows ~0.1 ms of Python kept off the gap between forwards)."""
-        matchers: list = []  # (row, grammar) of the step's constrained rows, found by _sampling_rows
+        queued (on CUDA while the device runs it: at 64 rows ~0.1 ms of Python kept off the gap between forwards).
+        The (row, grammar) pairs of the constrained rows are added to `matchers`."""
         rows = lambda: self._sampling_rows(out, matchers)  # noqa: E731
         grammar = lambda: self.grammars.step(matchers)  # noqa: E731
-        last_ids = None
-        if self._advanced is not None:  # the forward reads its ids on the device: its draw is queued first
-            self._advanced[1].launch()
-            last_ids = self._advanced[1].device_ids
+        last_ids = self._advanced[1].device_ids if self._advanced is not None else None
         return self.worker.execute_async(out, rows, grammar, self._prompt_logprobs.plan(out), last_ids)
 
     def _sampling_rows(self, out, matchers: list) -> list:

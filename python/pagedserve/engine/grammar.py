@@ -30,12 +30,11 @@ import re
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from pagedserve.engine.grammar_backends import CompiledGrammar, LLGuidanceBackend, XgrammarBackend
-from pagedserve.engine.grammar_masks import MaskFiller
+from pagedserve.engine.grammar_backends import CompiledGrammar, LLGuidanceBackend, MaskFiller, XgrammarBackend
 from pagedserve.engine.grammar_step import CHECK_FIRST_SECONDS, CheckFirstPolicy, GrammarStats, GrammarStep
 from pagedserve.errors import RequestError
 from pagedserve.sample.grammar_mask import GrammarMask
@@ -46,9 +45,8 @@ logger = logging.getLogger("pagedserve")
 _CACHE_SIZE = 256
 
 # Threads filling a step's xgrammar masks: 64 masks took 1.08-1.77 / 0.86-1.14 / 0.51-0.65 / 0.46-0.54 /
-# 0.62-0.69 ms on 1 / 2 / 4 / 8 / 16 threads of an H200 host's 16 cores (every row mid-string, four runs of
-# structured_bench.py, session 31): past 8, the pool's overhead outgrows the work. llguidance's masks take one
-# thread (MaskFiller).
+# 0.62-0.69 ms on 1 / 2 / 4 / 8 / 16 threads of an H200 host's 16 cores (structured_bench.py's fill scaling,
+# four runs): past 8, the pool's overhead outgrows the work. llguidance's masks take one thread (MaskFiller).
 _FILL_THREADS = 8
 
 BACKENDS = ("auto", "xgrammar", "llguidance")  # EngineConfig.structured_outputs_backend
@@ -58,14 +56,11 @@ def backend_order(backend: str, kind: str) -> tuple[str, ...]:
     """The backends that try a spec of `kind`, in turn, under the engine's structured_outputs_backend.
     "xgrammar" is xgrammar alone; "llguidance" is llguidance for the kinds it takes and xgrammar for the
     rest (choice, json_object, structural tags in the "format" form), which llguidance has no form of.
-    "auto" gives json schemas to llguidance first: replaying SmolLM2's own JSON, its masks cost a quarter of
-    xgrammar's on one core (5.4 vs 22 us a row on a Zen 4 core; 0.70 vs 3.97 ms a step of 64 rows on an H200
-    host, where xgrammar's 8 threads take 0.96), they are filled without the GIL, and its JSON strings take
-    no special tokens (xgrammar's take <|im_start|> and the like as text). In the engine on that H200 host
-    the step's masks cost alike (0.93 vs 0.86-0.9 ms), so the JSON throughput there moved only within noise;
-    a 2-core Zen 4 engine went from 93.6 to 96.4 % of unconstrained (bench/results/h200/session34.md). The
-    other kinds go to xgrammar first, llguidance where xgrammar refuses: llguidance's structural tags took
-    15-50 ms for some steps' masks on random weights."""
+    "auto" gives json schemas to llguidance first: on SmolLM2's own JSON its masks cost a quarter of
+    xgrammar's (5.4 vs 22 us a row on a Zen 4 core, 0.70 vs 3.97 ms for 64 rows on an H200 host's core) and
+    are filled without the GIL, and its JSON strings take no special tokens (xgrammar's take <|im_start|>
+    and the like as text). The other kinds go to xgrammar first, llguidance where xgrammar refuses: its
+    structural tags' first masks took 15-50 ms a step on the H200 host (bench/results/h200/session34.md)."""
     takes = kind in LLGuidanceBackend.kinds
     if backend == "xgrammar" or not takes:
         return ("xgrammar",)
@@ -203,45 +198,24 @@ class Grammars:
         return ended
 
     def step(self, matchers: list[tuple[int, object]]) -> Optional[GrammarStep]:
-        """The grammars of a step's (logits row, matcher) pairs for the sampler; None when there are none.
-        Unless the step checks draws first, their masks start filling on the mask thread now."""
+        """The grammars of a step's (logits row, matcher) pairs for the sampler; None when there are none."""
         if not matchers:
             return None
-        return GrammarStep(self.fill, self.fill_later, matchers, self.stats, self.policy)
+        return GrammarStep(self.fill, matchers, self.stats, self.policy)
 
     def fill(self, matchers: list[tuple[int, object]]) -> Optional[GrammarMask]:
         """The mask of these (logits row, matcher) pairs; None when none needs one (all terminated)."""
         start = time.perf_counter()
-        bitmask, live = self._host_bitmask(), _live(matchers)
-        self._filler.fill(live, bitmask)
-        return self._filled(live, time.perf_counter() - start)
-
-    def fill_later(self, matchers: list[tuple[int, object]]) -> Callable[[], tuple[Optional[GrammarMask], float]]:
-        """fill() begun on the mask thread (MaskFiller.start); the call returned waits for it and gives the
-        mask and the seconds the fill took. Until then the matchers are the mask thread's."""
-        bitmask, live = self._host_bitmask(), _live(matchers)
-        job = self._filler.start(live, bitmask)
-
-        def wait() -> tuple[Optional[GrammarMask], float]:
-            job.wait()
-            return self._filled(live, job.seconds), job.seconds
-        return wait
-
-    def _host_bitmask(self) -> torch.Tensor:
         if self._bitmask is None:
             words = (self.vocab_size + 31) // 32
-            self._bitmask = torch.full((self._max_rows, words), -1, dtype=torch.int32, pin_memory=self._pin)
-        return self._bitmask
-
-    def _filled(self, live: list, seconds: float) -> Optional[GrammarMask]:
-        self.stats.mask_seconds += seconds
-        self.stats.rows_filled += len(live)
-        return GrammarMask(self._bitmask, [row for row, _ in live]) if live else None
-
-
-def _live(matchers: list[tuple[int, object]]) -> list[tuple[int, object]]:
-    """The pairs whose grammar has not terminated (a terminated one takes any token and needs no mask)."""
-    return [(row, matcher) for row, matcher in matchers if not matcher.is_terminated()]
+            self._bitmask = torch.full((self._max_rows, words), -1, dtype=torch.int32,
+                                       pin_memory=self._pin)
+        live = [(row, matcher) for row, matcher in matchers if not matcher.is_terminated()]
+        self._filler.fill(live, self._bitmask)
+        rows = [row for row, _ in live]
+        self.stats.mask_seconds += time.perf_counter() - start
+        self.stats.rows_filled += len(rows)
+        return GrammarMask(self._bitmask, rows) if rows else None
 
 
 def _first_line(err: Exception) -> str:

@@ -82,30 +82,22 @@ class GrammarStats:
 class GrammarStep:
     """A step's (logits row, matcher) pairs: the token mask of every constrained row or of some rows only
     (`mask`), which rows' drawn tokens the grammars refuse (`refused`), and whether checking draws first
-    is expected to pay (`check_first`). Unless it is, every row's mask starts filling on the mask thread
-    when the step is made (`fill_later`), and mask() waits for it. The sampler's sample.grammar_mask.MaskSource."""
+    is expected to pay (`check_first`). The sampler's sample.grammar_mask.MaskSource."""
 
-    def __init__(self, fill: Callable[[list], Optional[GrammarMask]],
-                 fill_later: Callable[[list], Callable[[], tuple[Optional[GrammarMask], float]]],
-                 matchers: list[tuple[int, object]], stats: GrammarStats, policy: CheckFirstPolicy):
+    def __init__(self, fill: Callable[[list], Optional[GrammarMask]], matchers: list[tuple[int, object]],
+                 stats: GrammarStats, policy: CheckFirstPolicy):
         self._fill = fill
         self._matchers = matchers
         self._stats = stats
         self._policy = policy
         self.check_first = policy.decide(len(matchers))
-        self._filling = None if self.check_first else fill_later(matchers)
 
     def mask(self, rows: Optional[Sequence[int]] = None) -> Optional[GrammarMask]:
         """The mask of the constrained rows (of those among `rows`, if given); None when none needs one."""
         if rows is None:
-            if self._filling is not None:
-                wait, self._filling = self._filling, None
-                mask, seconds = wait()
-            else:
-                start = time.perf_counter()
-                mask = self._fill(self._matchers)
-                seconds = time.perf_counter() - start
-            self._policy.note_fill(len(self._matchers), seconds)
+            start = time.perf_counter()
+            mask = self._fill(self._matchers)
+            self._policy.note_fill(len(self._matchers), time.perf_counter() - start)
             return mask
         wanted = set(rows)
         return self._fill([(row, m) for row, m in self._matchers if row in wanted])
