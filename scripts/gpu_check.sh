@@ -76,7 +76,7 @@ ab_case() {  # name, case, env [VAR=value ...] [--option key=value]: one A/B run
     smol10) cmd=(bench/perf/throughput.py --device cuda --shape smollm2-135m --no-hf --concurrency 64 --max-model-len 0
                  --requests-per-slot 10) ;;  # 640 requests through 64 slots: the measure
     long) cmd=(bench/perf/long_workload.py --device cuda --shape qwen3-0.6b) ;;
-    json) cmd=(bench/perf/structured_bench.py --device cuda --num-requests 64) ;;  # needs the model wheel
+    json) cmd=(bench/perf/structured_bench.py --device cuda --num-requests 64 --skip-replay) ;;  # needs the model wheel
     *) note "ab: unknown case $case"; return ;;
   esac
   case $case in long|json) ;; *) cmd+=(--name "$name") ;; esac

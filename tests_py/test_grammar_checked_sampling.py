@@ -37,10 +37,10 @@ def grammars(default_model_path):
 def _matchers(grammars: Grammars, tokenizer, num_rows: int) -> tuple[list, list[list[int]]]:
     """(row, matcher) pairs at different points of TEXT (xgrammar for even rows, llguidance for odd rows);
     row 5 unconstrained, row 6 terminated; each row's valid continuation."""
-    from pagedserve.engine.grammar_backends import LLGuidanceBackend
+    from pagedserve.engine.grammar_backends import LLGuidanceBackend, XgrammarBackend
 
     spec = StructuredOutputsParams(json=SCHEMA)
-    xgr_grammar = grammars.compile(spec)
+    xgr_grammar = XgrammarBackend(tokenizer, grammars.vocab_size, [tokenizer.eos_token_id]).compile(spec)
     try:
         llg_grammar = LLGuidanceBackend(tokenizer, grammars.vocab_size, [tokenizer.eos_token_id]).compile(spec)
     except ValueError:  # llguidance misreads this tokenizer (transformers 5.17's GGUF conversion): xgrammar only

@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=2, help="timed runs of each case (interleaved); best is kept")
+    ap.add_argument("--skip-replay", action="store_true", help="leave out the masks' replay (A/B runs of throughput)")
     add_engine_options(ap)
     args = ap.parse_args()
     if args.quick:
@@ -149,7 +150,7 @@ def main() -> None:
                                  "mask_ms_per_step", "check_ms_per_step", "refused_pct", "launch_ms_per_step",
                                  "wait_ms_per_step",
                                  "other_host_ms_per_step", "finish"])
-    fills = mask_replay(engine, written)
+    fills = [] if args.skip_replay else mask_replay(engine, written)
     compile_table = markdown_table([{"compile": k, "ms": 1000 * v} for k, v in compile_s.items()],
                                    ["compile", "ms"])
     overlap = "while the device runs the forward" if args.device != "cpu" else "on the calling thread, no overlap"
@@ -159,11 +160,12 @@ def main() -> None:
           f"plainly (temperature, as here) draw unmasked, the grammar checks each draw (check) and only refused "
           f"rows (refused %) get a mask (mask) and draw again, after the first draw reaches the host. Per step: launch = host time queuing the "
           f"forward and sampling; wait = host time waiting for the sampled ids, checks and redraws included; "
-          f"other = the rest of the step on the host (scheduling, recording tokens, advancing matchers).\n\n{compile_table}\n\n"
-          f"The JSON schema case's {len(written)} outputs replayed through each backend's masks (host, one batch "
-          f"fill a step, as the engine fills them; the engine's backend for json schemas: "
-          f"{engine.info().structured_outputs_backend}, see engine/grammar.py backend_order):\n\n"
-          f"{markdown_table(fills, ['backend', 'threads', 'ms_per_step_median', 'ms_per_step_mean', 'us_per_row'])}")
+          f"other = the rest of the step on the host (scheduling, recording tokens, advancing matchers).\n\n{compile_table}")
+    if fills:
+        md += (f"\n\nThe JSON schema case's {len(written)} outputs replayed through each backend's masks (host, one "
+               f"batch fill a step, as the engine fills them; the engine's backend for json schemas: "
+               f"{engine.info().structured_outputs_backend}, see engine/grammar.py backend_order):\n\n"
+               f"{markdown_table(fills, ['backend', 'threads', 'ms_per_step_median', 'ms_per_step_mean', 'us_per_row'])}")
     print(md)
     name = f"structured_{args.device}" + ("_quick" if args.quick else "")
     path = save(name, {"rows": rows, "ratio": ratio, "mask_replay": fills, "tools_auto_ratio": tag_ratio, "bounded_strings_ratio": bounded_ratio,
