@@ -45,8 +45,9 @@ logger = logging.getLogger("pagedserve")
 _CACHE_SIZE = 256
 
 # Threads filling a step's xgrammar masks: 64 masks took 1.08-1.77 / 0.86-1.14 / 0.51-0.65 / 0.46-0.54 /
-# 0.62-0.69 ms on 1 / 2 / 4 / 8 / 16 threads of an H200 host's 16 cores (structured_bench.py's fill scaling,
-# four runs): past 8, the pool's overhead outgrows the work. llguidance's masks take one thread (MaskFiller).
+# 0.62-0.69 ms on 1 / 2 / 4 / 8 / 16 threads of an H200 host's 16 cores (every row mid-string, four runs of
+# structured_bench.py, session 31): past 8, the pool's overhead outgrows the work. llguidance's masks take one
+# thread (MaskFiller).
 _FILL_THREADS = 8
 
 BACKENDS = ("auto", "xgrammar", "llguidance")  # EngineConfig.structured_outputs_backend
@@ -56,11 +57,14 @@ def backend_order(backend: str, kind: str) -> tuple[str, ...]:
     """The backends that try a spec of `kind`, in turn, under the engine's structured_outputs_backend.
     "xgrammar" is xgrammar alone; "llguidance" is llguidance for the kinds it takes and xgrammar for the
     rest (choice, json_object, structural tags in the "format" form), which llguidance has no form of.
-    "auto" gives json schemas to llguidance first: on SmolLM2's own JSON its masks cost a quarter of
-    xgrammar's (5.4 vs 22 us a row on a Zen 4 core, 0.70 vs 3.97 ms for 64 rows on an H200 host's core) and
-    are filled without the GIL, and its JSON strings take no special tokens (xgrammar's take <|im_start|>
-    and the like as text). The other kinds go to xgrammar first, llguidance where xgrammar refuses: its
-    structural tags' first masks took 15-50 ms a step on the H200 host (bench/results/h200/session34.md)."""
+    "auto" gives json schemas to llguidance first: replaying SmolLM2's own JSON, its masks cost a quarter of
+    xgrammar's on one core (5.4 vs 22 us a row on a Zen 4 core; 0.70 vs 3.97 ms a step of 64 rows on an H200
+    host, where xgrammar's 8 threads take 0.96), it needs no thread pool beside torch's, and its JSON strings
+    take no special tokens (xgrammar's take <|im_start|> and the like as text). In the engine on that H200
+    host the step's masks cost alike (~0.9 ms), so JSON throughput there moved only within noise; on a
+    2-core Zen 4 engine JSON went from 93.6 to 96.4 % of unconstrained (bench/results/h200/session34.md).
+    The other kinds go to xgrammar first, llguidance where xgrammar refuses: llguidance's structural tags
+    took 15-50 ms for some steps' masks on random weights."""
     takes = kind in LLGuidanceBackend.kinds
     if backend == "xgrammar" or not takes:
         return ("xgrammar",)

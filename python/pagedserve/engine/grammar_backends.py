@@ -3,7 +3,7 @@
 xgrammar compiles every kind but refuses some schemas and regexes (Unicode classes such as \\p{L}, JSON
 pointers with escapes like "#/$defs/a~1b", integer bounds given as 0.5, ...); llguidance compiles json
 schemas, regexes, grammars and legacy structural tags, another subset. Which one a spec goes to first is
-pagedserve.engine.grammar's choice (its BACKEND_ORDER); this module compiles, and fills a step's masks.
+pagedserve.engine.grammar's choice (backend_order); this module compiles, and fills a step's masks.
 
 Both backends give `CompiledGrammar`s whose `new_matcher()` matchers share one interface, the one of
 xgrammar's GrammarMatcher that the engine already uses:
