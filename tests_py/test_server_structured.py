@@ -122,6 +122,8 @@ def test_structured_outputs_field(client, model):
     {"structured_outputs": {"unknown_kind": 1}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
     {"response_format": {"type": "yaml"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "tags", "schema": {
+        "type": "array", "items": {"type": "string"}, "uniqueItems": True}}}},  # enforced by no backend here
 ])
 def test_bad_specs_are_400(client, model, extra):
     with pytest.raises(openai.BadRequestError) as err:
@@ -129,6 +131,8 @@ def test_bad_specs_are_400(client, model, extra):
     assert err.value.status_code == 400
     if "guided_regex" in extra and len(extra) == 1:  # compiled by the engine: the message names the problem
         assert "cannot be compiled" in str(err.value) and err.value.body["param"] == "structured_outputs"
+    if "uniqueItems" in json.dumps(extra):
+        assert "not enforced here: " in str(err.value) and "uniqueItems" in str(err.value)
     # the server keeps serving
     r = client.completions.create(model=model, prompt="Hi", max_tokens=2)
     assert r.choices[0].text is not None
