@@ -16,6 +16,7 @@ from typing import Any, Optional
 CUDA_MAX_NUM_SEQS, CPU_MAX_NUM_SEQS = 256, 64
 CUDA_TOKEN_BUDGET, CPU_TOKEN_BUDGET = 8192, 2048
 CPU_KV_CACHE_GB = 1.0  # a GPU sizes its cache from gpu_memory_utilization instead
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "llguidance")  # engine/grammar.py backend_order reads them
 
 
 def _knob(default: Any, help: str, *, choices: Optional[tuple] = None, metavar: Optional[str] = None,
@@ -76,7 +77,7 @@ class EngineConfig:
                                                     "xgrammar: xgrammar alone; llguidance: llguidance alone for "
                                                     "those kinds, xgrammar for choice, json_object and "
                                                     "structural tags in the format form",
-                                            choices=("auto", "xgrammar", "llguidance"))
+                                            choices=STRUCTURED_OUTPUTS_BACKENDS)
     max_logprobs: int = _knob(20, "most logprobs a request may ask for per token")
     quantization: str = _knob("none", "weights kept quantized in memory: int8 (per output channel, made from any "
                                       "checkpoint at load); a .gguf model keeps its own blocks whatever this says",

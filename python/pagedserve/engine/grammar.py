@@ -36,6 +36,7 @@ import torch
 
 from pagedserve.engine.grammar_backends import CompiledGrammar, LLGuidanceBackend, MaskFiller, XgrammarBackend
 from pagedserve.engine.grammar_step import CHECK_FIRST_SECONDS, CheckFirstPolicy, GrammarStats, GrammarStep
+from pagedserve.engine_config import STRUCTURED_OUTPUTS_BACKENDS
 from pagedserve.errors import RequestError
 from pagedserve.sample.grammar_mask import GrammarMask
 from pagedserve.sampling_params import StructuredOutputsParams
@@ -50,7 +51,6 @@ _CACHE_SIZE = 256
 # thread (MaskFiller).
 _FILL_THREADS = 8
 
-BACKENDS = ("auto", "xgrammar", "llguidance")  # EngineConfig.structured_outputs_backend
 
 
 def backend_order(backend: str, kind: str) -> tuple[str, ...]:
@@ -88,8 +88,9 @@ class Grammars:
         """check_first_seconds: the host time a step's masks may cost before rows that sample plainly check
         their draws first (engine/grammar_step.py's CheckFirstPolicy; 0: always check). backend: the
         engine's structured_outputs_backend (see backend_order)."""
-        if backend not in BACKENDS:
-            raise ValueError(f"structured_outputs_backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+        if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
+                             f"not {backend!r}")
         self.backend = backend
         self._model_dir = Path(model_dir)
         self.vocab_size = vocab_size
