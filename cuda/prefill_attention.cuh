@@ -41,13 +41,14 @@
 #include "cuda_check.h"
 #include "float_convert.cuh"
 #include "mma.cuh"
+#include "prefill_attention_wgmma.cuh"
 #include "smem_tile.cuh"
 #include "warp_attention.cuh"
 
 namespace pagedserve::cuda {
 namespace prefill {
 
-inline constexpr int kWarpRows = 16;  // mma M
+inline constexpr int kWarpRows = kWarpQueryRows;
 
 // The shape of a CTA: warps (16 query rows each), keys per K / V tile,
 // cp.async stages, and the CTAs an SM is to hold (__launch_bounds__'s
@@ -91,26 +92,6 @@ struct SharedLayout {
   static constexpr int kBytes = kQueryBytes + Shape::kStages * kStageBytes;
   static_assert(kQueryBytes % 16 == 0 && kStageBytes % 16 == 0, "tiles stay 16-byte aligned");
 };
-
-// Writes the warp's finished rows (those inside the chunk) as O / l.
-template <typename T, int kHeadDim>
-__device__ __forceinline__ void store_rows(WarpAttentionState<kHeadDim>& state, T* out, int64_t row_stride,
-                                           int first_row, int num_rows, int lane) {
-  state.finish_sums();
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = first_row + lane / 4 + 8 * half;
-    if (r >= num_rows) continue;
-    const float sum = state.sum[half];
-    const float inv_sum = approx_reciprocal_or_zero(sum);
-    T* dst = out + r * row_stride + 2 * (lane % 4);
-#pragma unroll
-    for (int d = 0; d < kHeadDim / 8; ++d) {
-      const float pair[2] = {state.out[d][2 * half] * inv_sum, state.out[d][2 * half + 1] * inv_sum};
-      store_from_float(dst + 8 * d, pair);
-    }
-  }
-}
 
 template <typename T, int kHeadDim, int kBlockSize, typename Shape>
 __global__ void __launch_bounds__(Shape::kThreads, Shape::kCtasPerSm) prefill_attention_kernel(const PagedAttentionParams p) {
@@ -203,7 +184,7 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kCtasPerSm) prefill_at
   cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits
 
   T* out = static_cast<T*>(p.out) + (q_begin + m0) * token_stride + head * kHeadDim;
-  store_rows<T, kHeadDim>(state, out, token_stride, warp * kWarpRows, min(q_len - m0, kQueryRows), lane);
+  store_warp_rows<T, kHeadDim>(state, out, token_stride, warp * kWarpRows, min(q_len - m0, kQueryRows), lane);
 }
 
 }  // namespace prefill
@@ -220,11 +201,17 @@ void launch_prefill_attention_shaped(const PagedAttentionParams& p, cudaStream_t
   check_launch("prefill_attention_kernel");
 }
 
-// Launches the prefill kernel for rows [p.num_decodes, p.num_seqs), its CTA
-// shape chosen from the longest query (outputs are the same either way).
+// Launches the prefill kernel for rows [p.num_decodes, p.num_seqs): at head
+// dim 128 the wgmma kernel wherever the card and build have it, otherwise the
+// mma.sync kernel, its CTA shape chosen from the longest query (outputs are the
+// same either way).
 template <typename T, int kHeadDim, int kBlockSize>
 void launch_prefill_attention(const PagedAttentionParams& p, cudaStream_t stream) {
-  if constexpr (kHeadDim == 128) {
+  if constexpr (kHeadDim == prefill_wgmma::kHeadDim) {
+    if (prefill_wgmma::available()) {
+      launch_prefill_attention_wgmma<T, kBlockSize>(p, stream);
+      return;
+    }
     if (p.max_query_len >= prefill::kWideQueryLen) {
       launch_prefill_attention_shaped<T, kHeadDim, kBlockSize, prefill::WideShape>(p, stream);
       return;

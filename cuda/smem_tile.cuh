@@ -41,6 +41,31 @@ struct SwizzledTile {
   }
 };
 
+// The layout wgmma reads (128-byte swizzle, wgmma.cuh): kRows x D values as
+// D / 64 slabs of kRows x 64 values, one after another; inside a slab, row r's
+// 128 bytes hold its chunk c at chunk c ^ (r % 8), SwizzledTile's XOR. The
+// tile must start 1,024-byte aligned (the hardware swizzles address bits).
+template <int kHeadDim, int kRows>
+struct SlabTile {
+  static constexpr int kChunksPerRow = kHeadDim / 8;
+  static constexpr int kSlabElems = kRows * 64;
+  static_assert(kHeadDim % 64 == 0 && kRows % 8 == 0, "whole slabs of whole swizzle atoms");
+
+  __device__ static __forceinline__ int offset(int row, int chunk) {
+    return (chunk / 8) * kSlabElems + row * 64 + ((chunk % 8) ^ (row & 7)) * 8;
+  }
+  // As SwizzledTile::copy_offset: a step moves down kThreads / kChunksPerRow rows.
+  template <int kThreads>
+  __device__ static __forceinline__ int copy_offset(int tid, int k) {
+    if constexpr (kThreads % (8 * kChunksPerRow) == 0) {
+      return offset(tid / kChunksPerRow, tid % kChunksPerRow) + k * (kThreads / kChunksPerRow) * 64;
+    } else {
+      const int i = tid + k * kThreads;
+      return offset(i / kChunksPerRow, i % kChunksPerRow);
+    }
+  }
+};
+
 // The offsets one lane's ldmatrix row addresses take in a swizzled tile, for
 // loops over row blocks and head-dim steps that are unrolled. A lane reads
 // chunk 2 * step + half of row first_row + lane_row (first_row a multiple of
@@ -70,10 +95,9 @@ struct LaneTileOffsets {
 };
 
 // Rows [0, num_valid) of src (row r at src + r * row_stride) into a tile;
-// later rows are zero-filled. src must point at a readable row.
-template <typename T, int kHeadDim, int kRows, int kThreads>
+// later rows are zero-filled. src must point at a readable row. Tile: the layout.
+template <typename T, int kHeadDim, int kRows, int kThreads, typename Tile = SwizzledTile<kHeadDim>>
 __device__ __forceinline__ void load_rows_async(T* tile, const T* src, int64_t row_stride, int num_valid, int tid) {
-  using Tile = SwizzledTile<kHeadDim>;
   constexpr int kChunks = kRows * Tile::kChunksPerRow;
   static_assert(kChunks % kThreads == 0, "every thread copies the same number of chunks");
 #pragma unroll
@@ -91,11 +115,10 @@ __device__ __forceinline__ void load_rows_async(T* tile, const T* src, int64_t r
 // through block_table into two tiles. Tokens at or past `end` are zero-filled
 // and their block table entries never read, so masked scores meet zero values
 // (0 * 0, never 0 * NaN from stale shared memory).
-template <typename T, int kHeadDim, int kBlockSize, int kRows, int kThreads>
+template <typename T, int kHeadDim, int kBlockSize, int kRows, int kThreads, typename Tile = SwizzledTile<kHeadDim>>
 __device__ __forceinline__ void load_kv_tiles_async(T* key_tile, T* value_tile, const T* key_cache,
                                                     const T* value_cache, const int32_t* block_table, int first,
                                                     int end, int kv_head, int num_kv_heads, int tid) {
-  using Tile = SwizzledTile<kHeadDim>;
   constexpr int kChunks = kRows * Tile::kChunksPerRow;
   static_assert(kChunks % kThreads == 0, "every thread copies the same number of chunks");
 #pragma unroll

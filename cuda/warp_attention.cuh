@@ -18,6 +18,8 @@
 
 namespace pagedserve::cuda {
 
+inline constexpr int kWarpQueryRows = 16;  // the M of mma.m16n8k16: query rows a warp owns
+
 template <int kHeadDim>
 struct WarpAttentionState {
   float max[2] = {-INFINITY, -INFINITY};  // rows g, g + 8
@@ -37,6 +39,29 @@ __device__ __forceinline__ void load_query_fragments(uint32_t (&q)[kHeadDim / 16
   const LaneTileOffsets<kHeadDim> rows(lane % 16, lane / 16);
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) ldmatrix_x4(q[ks], tile + rows(0, ks));
+}
+
+// Dot products (C fragments of 16 rows x 8 keys each) -> log2-domain scores,
+// mapped by `score` (scale and soft-capping); masked(row, key) ones -inf.
+template <int kKeyTiles, typename Masked>
+__device__ __forceinline__ void map_scores(float (&s)[kKeyTiles][4], const ScoreMap& score, int lane, Masked masked) {
+  const int g = lane / 4;
+  const int key_in_tile = 2 * (lane % 4);
+  auto map_all = [&](auto map) {
+#pragma unroll
+    for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool hidden = masked(g + (e / 2) * 8, n * 8 + key_in_tile + e % 2);
+        s[n][e] = hidden ? -INFINITY : map(s[n][e]);
+      }
+    }
+  };
+  if (score.capped) {  // uniform across the grid
+    map_all([&](float dot) { return score.capped_score(dot); });
+  } else {
+    map_all([&](float dot) { return dot * score.scale_log2; });
+  }
 }
 
 // Scores of the warp's 16 query rows against kKeys keys (rows [0, kKeys) of
@@ -74,23 +99,7 @@ __device__ __forceinline__ void warp_scores(float (&s)[kKeys / 8][4], const uint
       for (int slice = 0; slice < kKeys / 16; ++slice) score_slice(slice, ks);
     }
   }
-  const int g = lane / 4;
-  const int key_in_tile = 2 * (lane % 4);
-  auto map_scores = [&](auto map) {
-#pragma unroll
-    for (int n = 0; n < kKeys / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool hidden = masked(g + (e / 2) * 8, n * 8 + key_in_tile + e % 2);
-        s[n][e] = hidden ? -INFINITY : map(s[n][e]);
-      }
-    }
-  };
-  if (score.capped) {  // uniform across the grid
-    map_scores([&](float dot) { return score.capped_score(dot); });
-  } else {
-    map_scores([&](float dot) { return dot * score.scale_log2; });
-  }
+  map_scores<kKeys / 8>(s, score, lane, masked);
 }
 
 // exp2_shifted on one MUFU.EX2: a probability below 2^-126 (a score 126
@@ -104,24 +113,11 @@ __device__ __forceinline__ float probability(float score, float max) {
   return exp2_ftz(shifted(score, max));
 }
 
-// Attends the warp's 16 query rows to kKeys keys: rows [0, kKeys) of the
-// swizzled key and value tiles, masked as in warp_scores.
-//
-// Rounding follows cuDNN's fused attention (which torch SDPA picks on Hopper;
-// bench/numerics/softmax_numerics.py measured it): scores in float32, scaled into the
-// log2 domain, probabilities exp2(s - m) against the running max m over the
-// tiles seen so far, rounded to T for P V; each lane sums its unrounded
-// probabilities of the tile one at a time in fragment order and adds that to
-// the rescaled running sum.
-template <typename T, int kHeadDim, int kKeys, typename Masked>
-__device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
-                                            const uint32_t (&q)[kHeadDim / 16][4], const T* keys, const T* values,
-                                            const ScoreMap& score, int lane, Masked masked) {
-  constexpr int kKeyTiles = kKeys / 8;  // C fragments of scores, 8 keys each
-  float s[kKeyTiles][4];
-  warp_scores<T, kHeadDim, kKeys>(s, q, keys, score, lane, masked);
-
-  // Online softmax: rescale what was accumulated under the old max.
+// The online softmax over one tile's scores s (log2 domain, in place): each
+// row's running max moves up to the tile's, what O and l accumulated under
+// the old max is rescaled, and s becomes the probabilities exp2(s - max).
+template <int kHeadDim, int kKeyTiles>
+__device__ __forceinline__ void online_softmax(WarpAttentionState<kHeadDim>& state, float (&s)[kKeyTiles][4]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float m = -INFINITY;
@@ -144,21 +140,71 @@ __device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
       state.out[d][2 * half + 1] *= rescale;
     }
   }
+}
+
+// Probabilities of keys [16 slice, 16 slice + 16) rounded to T: the two C
+// fragments of those keys are, packed in pairs, one A fragment (of mma.sync,
+// and of a register-A wgmma) for P V.
+template <typename T, int kKeyTiles>
+__device__ __forceinline__ void probability_fragment(uint32_t (&p)[4], const float (&s)[kKeyTiles][4], int slice) {
+  p[0] = pack2<T>(s[2 * slice][0], s[2 * slice][1]);
+  p[1] = pack2<T>(s[2 * slice][2], s[2 * slice][3]);
+  p[2] = pack2<T>(s[2 * slice + 1][0], s[2 * slice + 1][1]);
+  p[3] = pack2<T>(s[2 * slice + 1][2], s[2 * slice + 1][3]);
+}
+
+// Attends the warp's 16 query rows to kKeys keys: rows [0, kKeys) of the
+// swizzled key and value tiles, masked as in warp_scores.
+//
+// Rounding follows cuDNN's fused attention (which torch SDPA picks on Hopper;
+// bench/numerics/softmax_numerics.py measured it): scores in float32, scaled into the
+// log2 domain, probabilities exp2(s - m) against the running max m over the
+// tiles seen so far, rounded to T for P V; each lane sums its unrounded
+// probabilities of the tile one at a time in fragment order and adds that to
+// the rescaled running sum.
+template <typename T, int kHeadDim, int kKeys, typename Masked>
+__device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
+                                            const uint32_t (&q)[kHeadDim / 16][4], const T* keys, const T* values,
+                                            const ScoreMap& score, int lane, Masked masked) {
+  constexpr int kKeyTiles = kKeys / 8;  // C fragments of scores, 8 keys each
+  float s[kKeyTiles][4];
+  warp_scores<T, kHeadDim, kKeys>(s, q, keys, score, lane, masked);
+  online_softmax(state, s);
 
   // O += P V. Two score fragments (16 keys) form one A fragment; ldmatrix.trans
   // of the value rows yields b0/b1 for output columns [0, 8) and [8, 16) of a 16-column slice.
   const LaneTileOffsets<kHeadDim> value_rows(lane % 16, lane / 16);
 #pragma unroll
   for (int slice = 0; slice < kKeys / 16; ++slice) {
-    const uint32_t p[4] = {pack2<T>(s[2 * slice][0], s[2 * slice][1]), pack2<T>(s[2 * slice][2], s[2 * slice][3]),
-                           pack2<T>(s[2 * slice + 1][0], s[2 * slice + 1][1]),
-                           pack2<T>(s[2 * slice + 1][2], s[2 * slice + 1][3])};
+    uint32_t p[4];
+    probability_fragment<T>(p, s, slice);
 #pragma unroll
     for (int dn = 0; dn < kHeadDim / 16; ++dn) {
       uint32_t b[4];
       ldmatrix_x4_trans(b, values + value_rows(slice * 16, dn));
       mma_m16n8k16<T>(state.out[2 * dn], p, b[0], b[1]);
       mma_m16n8k16<T>(state.out[2 * dn + 1], p, b[2], b[3]);
+    }
+  }
+}
+
+// Writes the warp's finished rows [first_row, first_row + 16) of a tile of
+// num_rows valid rows (those inside the chunk) as O / l, row r at out + r * row_stride.
+template <typename T, int kHeadDim>
+__device__ __forceinline__ void store_warp_rows(WarpAttentionState<kHeadDim>& state, T* out, int64_t row_stride,
+                                           int first_row, int num_rows, int lane) {
+  state.finish_sums();
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = first_row + lane / 4 + 8 * half;
+    if (r >= num_rows) continue;
+    const float sum = state.sum[half];
+    const float inv_sum = approx_reciprocal_or_zero(sum);
+    T* dst = out + r * row_stride + 2 * (lane % 4);
+#pragma unroll
+    for (int d = 0; d < kHeadDim / 8; ++d) {
+      const float pair[2] = {state.out[d][2 * half] * inv_sum, state.out[d][2 * half + 1] * inv_sum};
+      store_from_float(dst + 8 * d, pair);
     }
   }
 }

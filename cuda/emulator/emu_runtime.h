@@ -24,6 +24,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -45,7 +46,7 @@ inline dim3 gridDim;
 inline dim3 blockDim;
 
 // The dynamic shared memory of the CTA being run (227 KB, the sm_90 maximum).
-alignas(128) inline unsigned char emu_smem[232448];
+alignas(1024) inline unsigned char emu_smem[232448];
 
 namespace emu {
 
@@ -86,15 +87,30 @@ struct Warp {
   uint32_t b[32][2];
 };
 
+// What the threads of one warpgroup (4 warps) exchange at a wgmma.
+struct WarpGroup {
+  explicit WarpGroup(int threads) : barrier(threads) {}
+  Barrier barrier;
+  float* d[128];  // each thread's accumulators
+  uint32_t a[128][4];
+  uint64_t desc_a[128];
+  uint64_t desc_b[128];
+  int accumulate[128];
+};
+
 struct Cta {
-  explicit Cta(int threads) : barrier(threads), warps(static_cast<size_t>((threads + 31) / 32)) {}
+  explicit Cta(int threads) : barrier(threads), warps(static_cast<size_t>((threads + 31) / 32)) {
+    for (int first = 0; first < threads; first += 128) groups.emplace_back(std::min(128, threads - first));
+  }
   Barrier barrier;
   std::vector<Warp> warps;
+  std::vector<WarpGroup> groups;
 };
 
 inline Cta* current_cta = nullptr;
 
 inline Warp& warp() { return current_cta->warps[static_cast<size_t>(warp_id)]; }
+inline WarpGroup& warp_group() { return current_cta->groups[static_cast<size_t>(warp_id / 4)]; }
 
 #if !defined(__x86_64__)
 #error "the emulator switches between fibers in x86-64 assembly (switch_stack)"
@@ -283,6 +299,7 @@ void launch(dim3 grid, dim3 block, size_t shared_bytes, Kernel kernel) {
         cta_fibers().run(threads, [&](int) {
           kernel();
           warp().barrier.arrive_and_drop();
+          warp_group().barrier.arrive_and_drop();
           cta.barrier.arrive_and_drop();
         });
         current_cta = nullptr;

@@ -19,8 +19,12 @@ cudaError_t cudaGetDevice(int* device) {
   return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int) { return cudaSuccess; }
-cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr, int) {
-  *value = 132;  // SMs of an H100 SXM
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int) {
+  switch (attribute) {  // an H100 SXM
+    case cudaDevAttrComputeCapabilityMajor: *value = 9; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
+    default: *value = 132;  // SMs
+  }
   return cudaSuccess;
 }
 cudaError_t cudaGetLastError() { return cudaSuccess; }

@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 python3 "$HERE/make_host_sources.py" "$OUT/src"
 # No -g by default: a quarter of the compile time; SANITIZE=1 (for its reports' lines) and DEBUG=1 add it.
 # -fcf-protection=none: the fibers' stack switch (emu_runtime.h) returns where no call was made.
-FLAGS=(-std=c++20 -O1 -w -pthread -fcf-protection=none -include "$HERE/emu_runtime.h" -I "$OUT/src" -I "$ROOT/cpp" -I "$CUDA_HOME/include")
+FLAGS=(-std=c++20 -O1 -w -pthread -fcf-protection=none -DPAGEDSERVE_WGMMA -include "$HERE/emu_runtime.h" -I "$OUT/src" -I "$ROOT/cpp" -I "$CUDA_HOME/include")
 if [[ "${SANITIZE:-0}" == 1 ]]; then FLAGS+=(-g -fsanitize=address,undefined -fno-sanitize-recover=undefined); fi
 if [[ "${DEBUG:-0}" == 1 ]]; then FLAGS+=(-g); fi
 # The CPU ops the kernels are checked against; the CPU-only matrix kernels (packed, int8, GGUF) and the fused
@@ -35,3 +35,9 @@ done
 for pid in "${pids[@]}"; do wait "$pid"; done
 "${CXX:-g++}" "${FLAGS[@]}" "$OUT"/obj/*.o -o "$OUT/emulate_ops"
 ASAN_OPTIONS=detect_leaks=0 "$OUT/emulate_ops" "$@"
+# The emulated card is an H100, so head-dim-128 prefill ran the wgmma kernel; once more on the mma.sync
+# kernel that builds without sm_90a run.
+if [[ $# -eq 0 || "$1" == attention* ]]; then
+  echo "attention again on the mma.sync prefill kernel (PAGEDSERVE_WGMMA=0)"
+  PAGEDSERVE_WGMMA=0 ASAN_OPTIONS=detect_leaks=0 "$OUT/emulate_ops" "${1:-attention}"
+fi

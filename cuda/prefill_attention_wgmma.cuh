@@ -1,0 +1,236 @@
+// Prefill / extend paged attention for head dim 128 on Hopper's warpgroup MMA
+// (wgmma, sm_90a; float16 / bfloat16). The same algorithm, grid and masking
+// as prefill_attention.cuh's mma.sync kernel, which runs where wgmma is not
+// built or not on the card; this one runs every head-dim-128 prefill row on an
+// H100 / H200, whatever the batch (a row's arithmetic never depends on which
+// kernel its batch chose).
+//
+// A CTA owns 128 query tokens of one head of one row: two warpgroups of 64
+// rows. Keys and values stream in 128-token tiles through a double-buffered
+// cp.async pipeline into the 128-byte-swizzled layout wgmma reads (SlabTile).
+// Per tile a warpgroup computes S = Q K^T (64 x 128, eight k-steps reading Q
+// and K from shared memory), runs the online softmax of warp_attention.cuh on
+// its registers (each warp on its 16 rows, as in the mma.sync kernel), and
+// adds P V (P from registers, V from shared memory as an MN-major operand).
+// Causal and window masks as in the mma.sync kernel, skipped per warpgroup.
+//
+// Why: mma.sync caps the mma.sync kernel's tensor pipe at ~36 % busy on an
+// H200 (its own dependent mma / softmax latencies); one wgmma issues a
+// 64 x 128 x 16 product for the whole warpgroup, asynchronously.
+//
+// Shared memory: query 32 KB + 2 stages x (32 KB keys + 32 KB values) + 1 KB
+// to align the atoms = 161 KB, one CTA (8 warps) an SM.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "attention_common.cuh"
+#include "attention_params.h"
+#include "cuda_check.h"
+#include "smem_tile.cuh"
+#include "warp_attention.cuh"
+#include "wgmma.cuh"
+
+namespace pagedserve::cuda {
+namespace prefill_wgmma {
+
+inline constexpr int kHeadDim = 128;
+inline constexpr int kKeys = 128;  // keys per K / V tile: the N of Q K^T
+inline constexpr int kGroups = 2;  // warpgroups a CTA
+inline constexpr int kQueryRows = kGroups * wgmma::kRows;
+inline constexpr int kThreads = kGroups * wgmma::kGroupThreads;
+inline constexpr int kStages = 2;
+
+using QueryTile = SlabTile<kHeadDim, kQueryRows>;
+using KvTile = SlabTile<kHeadDim, kKeys>;
+
+template <typename T>
+struct SharedLayout {
+  static constexpr int kQueryBytes = kQueryRows * kHeadDim * static_cast<int>(sizeof(T));
+  static constexpr int kTileElems = kKeys * kHeadDim;
+  static constexpr int kTileBytes = kTileElems * static_cast<int>(sizeof(T));
+  static constexpr int kStageBytes = 2 * kTileBytes;  // keys, then values
+  static constexpr int kSlabBytes = kKeys * wgmma::kSwizzleRowBytes;
+  static constexpr int kBytes = kQueryBytes + kStages * kStageBytes + wgmma::kAtomBytes;  // + alignment slack
+  static_assert(kQueryBytes % wgmma::kAtomBytes == 0 && kTileBytes % wgmma::kAtomBytes == 0, "atoms stay aligned");
+};
+
+// S = Q K^T for the warpgroup's 64 rows against the tile's 128 keys: s[n] is
+// the C fragment of keys [8 n, 8 n + 8) of the warp's 16 rows.
+template <typename T>
+__device__ __forceinline__ void group_scores(float (&s)[kKeys / 8][4], uint64_t query, uint64_t keys) {
+  float (&d)[64] = reinterpret_cast<float (&)[64]>(s);
+  wgmma::fence();
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / 16; ++ks) {
+    // 16 values = 32 bytes a k-step inside a slab's 128-byte rows; 64 values on, the next slab.
+    const uint32_t query_step = (ks / 4) * QueryTile::kSlabElems * 2 + (ks % 4) * 32;
+    const uint32_t key_step = (ks / 4) * KvTile::kSlabElems * 2 + (ks % 4) * 32;
+    wgmma::mma_128_ss<T>(d, wgmma::advance(query, query_step), wgmma::advance(keys, key_step), ks > 0);
+  }
+  wgmma::commit_group();
+  wgmma::wait_group<0>();
+  wgmma::pin(d);
+}
+
+// O += P V: the warp's probabilities (16 rows x 128 keys) as eight A
+// fragments against the value tile, 16 keys (2 KB of slab rows) a k-step.
+template <typename T>
+__device__ __forceinline__ void group_accumulate(WarpAttentionState<kHeadDim>& state, const float (&s)[kKeys / 8][4],
+                                                 uint64_t values) {
+  float (&d)[64] = reinterpret_cast<float (&)[64]>(state.out);
+  uint32_t p[kKeys / 16][4];
+#pragma unroll
+  for (int slice = 0; slice < kKeys / 16; ++slice) probability_fragment<T>(p[slice], s, slice);
+  wgmma::fence();
+#pragma unroll
+  for (int slice = 0; slice < kKeys / 16; ++slice) {
+    wgmma::mma_128_rs_mn<T>(d, p[slice], wgmma::advance(values, slice * 16 * wgmma::kSwizzleRowBytes));
+  }
+  wgmma::commit_group();
+  wgmma::wait_group<0>();
+  wgmma::pin(d);
+#pragma unroll
+  for (int slice = 0; slice < kKeys / 16; ++slice) wgmma::pin(p[slice]);
+}
+
+template <typename T, int kBlockSize>
+__global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(const PagedAttentionParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)
+  using Layout = SharedLayout<T>;
+  extern __shared__ __align__(16) unsigned char shared_bytes[];
+  // The swizzle atoms need 1,024-byte aligned shared addresses.
+  const uint32_t misalignment = shared_address(shared_bytes) % wgmma::kAtomBytes;
+  unsigned char* aligned = shared_bytes + (misalignment == 0 ? 0 : wgmma::kAtomBytes - misalignment);
+  T* query_tile = reinterpret_cast<T*>(aligned);
+  T* stages = reinterpret_cast<T*>(aligned + Layout::kQueryBytes);
+
+  const int row = p.num_decodes + static_cast<int>(blockIdx.z);
+  const int head = static_cast<int>(blockIdx.y);
+  const int q_begin = p.query_start_loc[row];
+  const int q_len = p.query_start_loc[row + 1] - q_begin;
+  const int m0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * kQueryRows;  // heaviest tiles first
+  if (m0 >= q_len) return;
+  const int seq_len = p.seq_lens[row];
+  const int tile_first_pos = seq_len - q_len + m0;
+  const int span = p.window_span;
+  const int kv_begin = tile_first_pos >= span ? tile_first_pos - span + 1 : 0;
+  const int kv_end = min(seq_len, tile_first_pos + kQueryRows);
+  const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kKeys - 1) / kKeys : 0;
+  const int kv_head = head / (p.num_heads / p.num_kv_heads);
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int64_t token_stride = static_cast<int64_t>(p.num_heads) * kHeadDim;
+  const T* query = static_cast<const T*>(p.query) + (q_begin + m0) * token_stride + head * kHeadDim;
+  const int32_t* block_table = p.block_tables + static_cast<int64_t>(row) * p.max_blocks_per_seq;
+  auto key_tile = [&](int tile) { return stages + tile % kStages * 2 * Layout::kTileElems; };
+  auto value_tile = [&](int tile) { return key_tile(tile) + Layout::kTileElems; };
+  auto load_tile = [&](int tile) {
+    load_kv_tiles_async<T, kHeadDim, kBlockSize, kKeys, kThreads, KvTile>(
+        key_tile(tile), value_tile(tile), static_cast<const T*>(p.key_cache), static_cast<const T*>(p.value_cache),
+        block_table, kv_begin + tile * kKeys, kv_end, kv_head, p.num_kv_heads, tid);
+  };
+
+  load_rows_async<T, kHeadDim, kQueryRows, kThreads, QueryTile>(query_tile, query, token_stride,
+                                                                min(q_len - m0, kQueryRows), tid);
+#pragma unroll
+  for (int tile = 0; tile < kStages - 1; ++tile) {
+    if (tile < num_tiles) load_tile(tile);
+    cp_async_commit();
+  }
+
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int group = warp / 4;
+  const int group_first_pos = tile_first_pos + group * wgmma::kRows;
+  const int warp_first_pos = tile_first_pos + warp * kWarpQueryRows;
+  const ScoreMap score = ScoreMap::make(p.scale, p.softcap);
+  // The warpgroup's 64 query rows: K-major, 8 rows a 1,024-byte atom.
+  const uint64_t query_desc = wgmma::descriptor(query_tile + group * wgmma::kRows * 64, 16, wgmma::kAtomBytes);
+  WarpAttentionState<kHeadDim> state;
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    cp_async_wait<kStages - 2>();           // this tile (and, first, the query) landed for this thread,
+    wgmma::fence_shared_for_async_proxy();  // is visible to wgmma's reads,
+    __syncthreads();                        // for all; everyone is done with the stage reloaded next
+    if (tile + kStages - 1 < num_tiles) load_tile(tile + kStages - 1);
+    cp_async_commit();
+    const int first_key = kv_begin + tile * kKeys;
+    // Uniform across the warpgroup (its wgmmas are collective).
+    if (first_key > group_first_pos + wgmma::kRows - 1) continue;        // wholly in its future
+    if (group_first_pos - (first_key + kKeys - 1) >= span) continue;     // wholly before its windows
+    float s[kKeys / 8][4];
+    group_scores<T>(s, query_desc, wgmma::descriptor(key_tile(tile), 16, wgmma::kAtomBytes));
+    const bool full_tile = first_key + kKeys - 1 <= warp_first_pos && warp_first_pos + 15 - first_key < span;
+    if (full_tile) {
+      map_scores(s, score, lane, [](int, int) { return false; });
+    } else {
+      map_scores(s, score, lane, [&](int r, int key) {  // in the row's future, past the row, or before its window
+        const int position = first_key + key;
+        const int query_pos = warp_first_pos + r;
+        return position > query_pos || position >= seq_len || query_pos - position >= span;
+      });
+    }
+    online_softmax(state, s);
+    // V is MN-major: the leading stride is from one 64-column slab to the next.
+    group_accumulate<T>(state, s, wgmma::descriptor(value_tile(tile), Layout::kSlabBytes, wgmma::kAtomBytes));
+  }
+  cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits
+
+  T* out = static_cast<T*>(p.out) + (q_begin + m0) * token_stride + head * kHeadDim;
+  store_warp_rows<T, kHeadDim>(state, out, token_stride, warp * kWarpQueryRows, min(q_len - m0, kQueryRows),
+                                   lane);
+#else
+  __trap();  // launched only where sm_90a code was built (available() below)
+#endif
+}
+
+// Whether this build holds the sm_90a kernel and the current device runs it
+// (compute capability 9.0), and PAGEDSERVE_WGMMA is not "0" (the mma.sync
+// kernel instead, for A/B runs). Cached per device.
+inline bool available() {
+#if defined(PAGEDSERVE_WGMMA)
+  static const bool allowed = [] {
+    const char* env = std::getenv("PAGEDSERVE_WGMMA");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  if (!allowed) return false;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<signed char> supported[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 0 || device >= kMaxDevices) return false;
+  signed char known = supported[device].load(std::memory_order_relaxed);
+  if (known == 0) {
+    int major = 0;
+    int minor = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
+    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
+    known = major == 9 && minor == 0 ? 1 : -1;
+    supported[device].store(known, std::memory_order_relaxed);
+  }
+  return known > 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace prefill_wgmma
+
+// Launches the wgmma kernel for rows [p.num_decodes, p.num_seqs).
+template <typename T, int kBlockSize>
+void launch_prefill_attention_wgmma(const PagedAttentionParams& p, cudaStream_t stream) {
+  using namespace prefill_wgmma;
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.max_query_len, kQueryRows)), static_cast<unsigned>(p.num_heads),
+                  static_cast<unsigned>(p.num_seqs - p.num_decodes));
+  auto* kernel = prefill_attention_wgmma_kernel<T, kBlockSize>;
+  allow_dynamic_smem(kernel, SharedLayout<T>::kBytes, "prefill_attention_wgmma_kernel");
+  kernel<<<grid, kThreads, SharedLayout<T>::kBytes, stream>>>(p);
+  check_launch("prefill_attention_wgmma_kernel");
+}
+
+}  // namespace pagedserve::cuda
