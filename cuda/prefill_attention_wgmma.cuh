@@ -12,14 +12,17 @@
 // and K from shared memory), runs the online softmax of warp_attention.cuh on
 // its registers (each warp on its 16 rows, as in the mma.sync kernel), and
 // adds P V (P from registers, V from shared memory as an MN-major operand).
+// P V is issued together with the next tile's Q K^T, so the tensor cores work
+// on it while the warpgroup waits for the scores and starts their softmax;
+// O is rescaled once it lands (the same operations in the same order).
 // Causal and window masks as in the mma.sync kernel, skipped per warpgroup.
 //
 // Why: mma.sync caps the mma.sync kernel's tensor pipe at ~36 % busy on an
 // H200 (its own dependent mma / softmax latencies); one wgmma issues a
 // 64 x 128 x 16 product for the whole warpgroup, asynchronously.
 //
-// Shared memory: query 32 KB + 2 stages x (32 KB keys + 32 KB values) + 1 KB
-// to align the atoms = 161 KB, one CTA (8 warps) an SM.
+// Shared memory: query 32 KB + 3 stages x (32 KB keys + 32 KB values) + 1 KB
+// to align the atoms = 225 KB (of 227), one CTA (8 warps) an SM.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -44,7 +47,7 @@ inline constexpr int kKeys = 128;  // keys per K / V tile: the N of Q K^T
 inline constexpr int kGroups = 2;  // warpgroups a CTA
 inline constexpr int kQueryRows = kGroups * wgmma::kRows;
 inline constexpr int kThreads = kGroups * wgmma::kGroupThreads;
-inline constexpr int kStages = 2;
+inline constexpr int kStages = 3;  // values of tile t - 1 (P V), keys of t (Q K^T), t + 1 loading
 
 using QueryTile = SlabTile<kHeadDim, kQueryRows>;
 using KvTile = SlabTile<kHeadDim, kKeys>;
@@ -60,12 +63,12 @@ struct SharedLayout {
   static_assert(kQueryBytes % wgmma::kAtomBytes == 0 && kTileBytes % wgmma::kAtomBytes == 0, "atoms stay aligned");
 };
 
-// S = Q K^T for the warpgroup's 64 rows against the tile's 128 keys: s[n] is
-// the C fragment of keys [8 n, 8 n + 8) of the warp's 16 rows.
+// Issues S = Q K^T for the warpgroup's 64 rows against the tile's 128 keys
+// (eight k-steps, one commit group): s[n] becomes the C fragment of keys
+// [8 n, 8 n + 8) of the warp's 16 rows once the group completes.
 template <typename T>
-__device__ __forceinline__ void group_scores(float (&s)[kKeys / 8][4], uint64_t query, uint64_t keys) {
+__device__ __forceinline__ void issue_scores(float (&s)[kKeys / 8][4], uint64_t query, uint64_t keys) {
   float (&d)[64] = reinterpret_cast<float (&)[64]>(s);
-  wgmma::fence();
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / 16; ++ks) {
     // 16 values = 32 bytes a k-step inside a slab's 128-byte rows; 64 values on, the next slab.
@@ -74,29 +77,20 @@ __device__ __forceinline__ void group_scores(float (&s)[kKeys / 8][4], uint64_t 
     wgmma::mma_128_ss<T>(d, wgmma::advance(query, query_step), wgmma::advance(keys, key_step), ks > 0);
   }
   wgmma::commit_group();
-  wgmma::wait_group<0>();
-  wgmma::pin(d);
 }
 
-// O += P V: the warp's probabilities (16 rows x 128 keys) as eight A
-// fragments against the value tile, 16 keys (2 KB of slab rows) a k-step.
+// Issues O += P V (one commit group): the warp's probabilities (16 rows x 128
+// keys) as eight A fragments against the value tile, 16 keys (2 KB of slab
+// rows) a k-step.
 template <typename T>
-__device__ __forceinline__ void group_accumulate(WarpAttentionState<kHeadDim>& state, const float (&s)[kKeys / 8][4],
-                                                 uint64_t values) {
+__device__ __forceinline__ void issue_values(WarpAttentionState<kHeadDim>& state, const uint32_t (&p)[kKeys / 16][4],
+                                             uint64_t values) {
   float (&d)[64] = reinterpret_cast<float (&)[64]>(state.out);
-  uint32_t p[kKeys / 16][4];
-#pragma unroll
-  for (int slice = 0; slice < kKeys / 16; ++slice) probability_fragment<T>(p[slice], s, slice);
-  wgmma::fence();
 #pragma unroll
   for (int slice = 0; slice < kKeys / 16; ++slice) {
     wgmma::mma_128_rs_mn<T>(d, p[slice], wgmma::advance(values, slice * 16 * wgmma::kSwizzleRowBytes));
   }
   wgmma::commit_group();
-  wgmma::wait_group<0>();
-  wgmma::pin(d);
-#pragma unroll
-  for (int slice = 0; slice < kKeys / 16; ++slice) wgmma::pin(p[slice]);
 }
 
 template <typename T, int kBlockSize>
@@ -138,13 +132,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
 
   load_rows_async<T, kHeadDim, kQueryRows, kThreads, QueryTile>(query_tile, query, token_stride,
                                                                 min(q_len - m0, kQueryRows), tid);
-#pragma unroll
-  for (int tile = 0; tile < kStages - 1; ++tile) {
-    if (tile < num_tiles) load_tile(tile);
-    cp_async_commit();
-  }
+  if (num_tiles > 0) load_tile(0);
+  cp_async_commit();
 
-  const int warp = tid / 32;
+  // Read through a shuffle, the warp (and warpgroup) index is warp-uniform to
+  // the compiler, and so are the branches around the wgmmas: ptxas serializes
+  // wgmmas it cannot prove the whole warpgroup reaches.
+  const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
   const int lane = tid % 32;
   const int group = warp / 4;
   const int group_first_pos = tile_first_pos + group * wgmma::kRows;
@@ -152,19 +146,46 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
   const ScoreMap score = ScoreMap::make(p.scale, p.softcap);
   // The warpgroup's 64 query rows: K-major, 8 rows a 1,024-byte atom.
   const uint64_t query_desc = wgmma::descriptor(query_tile + group * wgmma::kRows * 64, 16, wgmma::kAtomBytes);
+  auto key_desc = [&](int tile) { return wgmma::descriptor(key_tile(tile), 16, wgmma::kAtomBytes); };
+  // V is MN-major: the leading stride is from one 64-column slab to the next.
+  auto value_desc = [&](int tile) { return wgmma::descriptor(value_tile(tile), Layout::kSlabBytes, wgmma::kAtomBytes); };
+
+  // A tile's P V runs beside the next tile's Q K^T (and the first half of
+  // its softmax): `probs` holds tile `pending`'s probabilities until then.
+  // Before the first tile they are zeros against that tile's (finite)
+  // values, which adds exact zeros to O and keeps the issue order branch-free.
   WarpAttentionState<kHeadDim> state;
+  uint32_t probs[kKeys / 16][4] = {};
+  int pending = -1;
+  auto finish_pending = [&] {
+    if (pending < 0) return;
+    wgmma::fence();
+    issue_values<T>(state, probs, value_desc(pending));
+    wgmma::wait_group<0>();
+    wgmma::pin(reinterpret_cast<float (&)[64]>(state.out));
+#pragma unroll
+    for (int slice = 0; slice < kKeys / 16; ++slice) wgmma::pin(probs[slice]);
+    pending = -1;
+  };
   for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<kStages - 2>();           // this tile (and, first, the query) landed for this thread,
+    cp_async_wait<0>();                     // this tile (and, first, the query) landed for this thread,
     wgmma::fence_shared_for_async_proxy();  // is visible to wgmma's reads,
-    __syncthreads();                        // for all; everyone is done with the stage reloaded next
-    if (tile + kStages - 1 < num_tiles) load_tile(tile + kStages - 1);
+    __syncthreads();                        // for all; no one reads the stage reloaded next any more
+    if (tile + 1 < num_tiles) load_tile(tile + 1);
     cp_async_commit();
     const int first_key = kv_begin + tile * kKeys;
     // Uniform across the warpgroup (its wgmmas are collective).
-    if (first_key > group_first_pos + wgmma::kRows - 1) continue;        // wholly in its future
-    if (group_first_pos - (first_key + kKeys - 1) >= span) continue;     // wholly before its windows
+    if (first_key > group_first_pos + wgmma::kRows - 1) {  // wholly in its future, as is every later tile
+      finish_pending();
+      continue;
+    }
+    if (group_first_pos - (first_key + kKeys - 1) >= span) continue;  // wholly before its windows (none pending)
     float s[kKeys / 8][4];
-    group_scores<T>(s, query_desc, wgmma::descriptor(key_tile(tile), 16, wgmma::kAtomBytes));
+    wgmma::fence();
+    issue_scores<T>(s, query_desc, key_desc(tile));
+    issue_values<T>(state, probs, value_desc(pending >= 0 ? pending : tile));
+    wgmma::wait_group<1>();  // the scores; P V may still run
+    wgmma::pin(reinterpret_cast<float (&)[64]>(s));
     const bool full_tile = first_key + kKeys - 1 <= warp_first_pos && warp_first_pos + 15 - first_key < span;
     if (full_tile) {
       map_scores(s, score, lane, [](int, int) { return false; });
@@ -175,10 +196,18 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
         return position > query_pos || position >= seq_len || query_pos - position >= span;
       });
     }
-    online_softmax(state, s);
-    // V is MN-major: the leading stride is from one 64-column slab to the next.
-    group_accumulate<T>(state, s, wgmma::descriptor(value_tile(tile), Layout::kSlabBytes, wgmma::kAtomBytes));
+    float rescale[2];
+    softmax_tile(state, s, rescale);
+    wgmma::wait_group<0>();  // the previous tile's P V, before O is rescaled and its P replaced
+    wgmma::pin(reinterpret_cast<float (&)[64]>(state.out));
+#pragma unroll
+    for (int slice = 0; slice < kKeys / 16; ++slice) wgmma::pin(probs[slice]);
+    rescale_output(state, rescale);
+#pragma unroll
+    for (int slice = 0; slice < kKeys / 16; ++slice) probability_fragment<T>(probs[slice], s, slice);
+    pending = tile;
   }
+  finish_pending();
   cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits
 
   T* out = static_cast<T*>(p.out) + (q_begin + m0) * token_stride + head * kHeadDim;

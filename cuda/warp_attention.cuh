@@ -114,17 +114,20 @@ __device__ __forceinline__ float probability(float score, float max) {
 }
 
 // The online softmax over one tile's scores s (log2 domain, in place): each
-// row's running max moves up to the tile's, what O and l accumulated under
-// the old max is rescaled, and s becomes the probabilities exp2(s - max).
+// row's running max moves up to the tile's, the running sum l is rescaled and
+// grows by the tile's, and s becomes the probabilities exp2(s - max).
+// rescale[half] is what O, accumulated under the old max, must be multiplied
+// by (rescale_output) before the tile's P V is added.
 template <int kHeadDim, int kKeyTiles>
-__device__ __forceinline__ void online_softmax(WarpAttentionState<kHeadDim>& state, float (&s)[kKeyTiles][4]) {
+__device__ __forceinline__ void softmax_tile(WarpAttentionState<kHeadDim>& state, float (&s)[kKeyTiles][4],
+                                             float (&rescale)[2]) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float m = -INFINITY;
 #pragma unroll
     for (int n = 0; n < kKeyTiles; ++n) m = fmaxf(m, fmaxf(s[n][2 * half], s[n][2 * half + 1]));
     const float new_max = fmaxf(state.max[half], quad_max(m));
-    const float rescale = probability(state.max[half], new_max);
+    rescale[half] = probability(state.max[half], new_max);
     state.max[half] = new_max;
     float tile_sum = 0.f;
 #pragma unroll
@@ -133,13 +136,25 @@ __device__ __forceinline__ void online_softmax(WarpAttentionState<kHeadDim>& sta
       s[n][2 * half + 1] = probability(s[n][2 * half + 1], new_max);
       tile_sum = (tile_sum + s[n][2 * half]) + s[n][2 * half + 1];
     }
-    state.sum[half] = state.sum[half] * rescale + tile_sum;
-#pragma unroll
-    for (int d = 0; d < kHeadDim / 8; ++d) {
-      state.out[d][2 * half] *= rescale;
-      state.out[d][2 * half + 1] *= rescale;
-    }
+    state.sum[half] = state.sum[half] * rescale[half] + tile_sum;
   }
+}
+
+template <int kHeadDim>
+__device__ __forceinline__ void rescale_output(WarpAttentionState<kHeadDim>& state, const float (&rescale)[2]) {
+#pragma unroll
+  for (int d = 0; d < kHeadDim / 8; ++d) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) state.out[d][e] *= rescale[e / 2];
+  }
+}
+
+// Both steps at once, for a tile whose P V follows at once.
+template <int kHeadDim, int kKeyTiles>
+__device__ __forceinline__ void online_softmax(WarpAttentionState<kHeadDim>& state, float (&s)[kKeyTiles][4]) {
+  float rescale[2];
+  softmax_tile(state, s, rescale);
+  rescale_output(state, rescale);
 }
 
 // Probabilities of keys [16 slice, 16 slice + 16) rounded to T: the two C

@@ -321,6 +321,15 @@ inline float __shfl_xor_sync(unsigned /*mask*/, float v, int lane_mask) {
   return other;
 }
 
+inline int __shfl_sync(unsigned /*mask*/, int v, int src_lane) {
+  emu::Warp& w = emu::warp();
+  w.value[emu::lane_id] = static_cast<float>(v);  // exact for the small indices kernels broadcast
+  w.barrier.arrive_and_wait();
+  const int other = static_cast<int>(w.value[src_lane]);
+  w.barrier.arrive_and_wait();
+  return other;
+}
+
 inline float __shfl_down_sync(unsigned /*mask*/, float v, int delta) {
   emu::Warp& w = emu::warp();
   w.value[emu::lane_id] = v;
