@@ -35,6 +35,7 @@
 #include "attention_common.cuh"
 #include "attention_params.h"
 #include "cuda_check.h"
+#include "mbarrier.cuh"
 #include "smem_tile.cuh"
 #include "warp_attention.cuh"
 #include "wgmma.cuh"
@@ -47,6 +48,7 @@ inline constexpr int kKeys = 128;  // keys per K / V tile: the N of Q K^T
 inline constexpr int kGroups = 2;  // warpgroups a CTA
 inline constexpr int kQueryRows = kGroups * wgmma::kRows;
 inline constexpr int kThreads = kGroups * wgmma::kGroupThreads;
+inline constexpr int kIssueTurn = 1;  // named barriers 1, 2: a warpgroup's turn to issue
 inline constexpr int kStages = 3;  // values of tile t - 1 (P V), keys of t (Q K^T), t + 1 loading
 
 using QueryTile = SlabTile<kHeadDim, kQueryRows>;
@@ -59,7 +61,8 @@ struct SharedLayout {
   static constexpr int kTileBytes = kTileElems * static_cast<int>(sizeof(T));
   static constexpr int kStageBytes = 2 * kTileBytes;  // keys, then values
   static constexpr int kSlabBytes = kKeys * wgmma::kSwizzleRowBytes;
-  static constexpr int kBytes = kQueryBytes + kStages * kStageBytes + wgmma::kAtomBytes;  // + alignment slack
+  static constexpr int kBarrierOffset = kQueryBytes + kStages * kStageBytes;  // full[kStages], empty[kStages]
+  static constexpr int kBytes = kBarrierOffset + 2 * kStages * 8 + wgmma::kAtomBytes;  // + alignment slack
   static_assert(kQueryBytes % wgmma::kAtomBytes == 0 && kTileBytes % wgmma::kAtomBytes == 0, "atoms stay aligned");
 };
 
@@ -130,10 +133,28 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
         block_table, kv_begin + tile * kKeys, kv_end, kv_head, p.num_kv_heads, tid);
   };
 
+  // Stage s holds tiles s, s + kStages, ...: full[s] completes when every
+  // thread's copies of its current tile landed, empty[s] when every thread is
+  // done reading it (one arrival each per tile).
+  uint64_t* full = reinterpret_cast<uint64_t*>(aligned + Layout::kBarrierOffset);
+  uint64_t* empty = full + kStages;
+  if (tid == 0) {
+    for (int stage = 0; stage < kStages; ++stage) {
+      mbarrier_init(full + stage, kThreads);
+      mbarrier_init(empty + stage, kThreads);
+    }
+  }
+  __syncthreads();
+  // Tile t's fill is that stage's (t / kStages)-th: the parity its phases have.
+  auto wait_full = [&](int tile) { mbarrier_wait(full + tile % kStages, tile / kStages % 2); };
+  auto refill = [&](int tile) {  // this thread's copies of `tile`, once its stage's previous tile is done with
+    if (tile >= kStages) mbarrier_wait(empty + tile % kStages, (tile / kStages - 1) % 2);
+    load_tile(tile);
+    cp_async_arrive(full + tile % kStages);
+  };
   load_rows_async<T, kHeadDim, kQueryRows, kThreads, QueryTile>(query_tile, query, token_stride,
                                                                 min(q_len - m0, kQueryRows), tid);
-  if (num_tiles > 0) load_tile(0);
-  cp_async_commit();
+  if (num_tiles > 0) refill(0);  // its arrival also covers the query's copies
 
   // Read through a shuffle, the warp (and warpgroup) index is warp-uniform to
   // the compiler, and so are the branches around the wgmmas: ptxas serializes
@@ -141,7 +162,6 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
   const int warp = __shfl_sync(0xffffffffu, tid / 32, 0);
   const int lane = tid % 32;
   const int group = warp / 4;
-  const int group_first_pos = tile_first_pos + group * wgmma::kRows;
   const int warp_first_pos = tile_first_pos + warp * kWarpQueryRows;
   const ScoreMap score = ScoreMap::make(p.scale, p.softcap);
   // The warpgroup's 64 query rows: K-major, 8 rows a 1,024-byte atom.
@@ -150,42 +170,34 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
   // V is MN-major: the leading stride is from one 64-column slab to the next.
   auto value_desc = [&](int tile) { return wgmma::descriptor(value_tile(tile), Layout::kSlabBytes, wgmma::kAtomBytes); };
 
+  // The warpgroups take turns issuing their tile's wgmmas (named barrier
+  // kIssueTurn + g: group g's turn), so one's softmax runs while the other's
+  // products keep the tensor cores busy. Group 1 lets group 0 go first.
+  auto wait_turn = [&] { named_barrier_sync(kIssueTurn + group, kThreads); };
+  auto pass_turn = [&] { named_barrier_arrive(kIssueTurn + 1 - group, kThreads); };
+  if (group == 1) pass_turn();
+
   // A tile's P V runs beside the next tile's Q K^T (and the first half of
-  // its softmax): `probs` holds tile `pending`'s probabilities until then.
+  // its softmax): `probs` holds the previous tile's probabilities until then.
   // Before the first tile they are zeros against that tile's (finite)
   // values, which adds exact zeros to O and keeps the issue order branch-free.
+  // Every warpgroup runs every tile of the CTA (a tile wholly masked for its
+  // rows adds exact zeros), so both take the same number of turns.
   WarpAttentionState<kHeadDim> state;
   uint32_t probs[kKeys / 16][4] = {};
-  int pending = -1;
-  auto finish_pending = [&] {
-    if (pending < 0) return;
-    wgmma::fence();
-    issue_values<T>(state, probs, value_desc(pending));
-    wgmma::wait_group<0>();
-    wgmma::pin(reinterpret_cast<float (&)[64]>(state.out));
-#pragma unroll
-    for (int slice = 0; slice < kKeys / 16; ++slice) wgmma::pin(probs[slice]);
-    pending = -1;
-  };
   for (int tile = 0; tile < num_tiles; ++tile) {
-    cp_async_wait<0>();                     // this tile (and, first, the query) landed for this thread,
-    wgmma::fence_shared_for_async_proxy();  // is visible to wgmma's reads,
-    __syncthreads();                        // for all; no one reads the stage reloaded next any more
-    if (tile + 1 < num_tiles) load_tile(tile + 1);
-    cp_async_commit();
-    const int first_key = kv_begin + tile * kKeys;
-    // Uniform across the warpgroup (its wgmmas are collective).
-    if (first_key > group_first_pos + wgmma::kRows - 1) {  // wholly in its future, as is every later tile
-      finish_pending();
-      continue;
-    }
-    if (group_first_pos - (first_key + kKeys - 1) >= span) continue;  // wholly before its windows (none pending)
+    wait_full(tile);                        // this tile (and, first, the query) landed for every thread,
+    wgmma::fence_shared_for_async_proxy();  // and is visible to wgmma's reads
     float s[kKeys / 8][4];
+    wait_turn();
     wgmma::fence();
     issue_scores<T>(s, query_desc, key_desc(tile));
-    issue_values<T>(state, probs, value_desc(pending >= 0 ? pending : tile));
+    issue_values<T>(state, probs, value_desc(tile > 0 ? tile - 1 : tile));
+    pass_turn();
+    if (tile + 1 < num_tiles) refill(tile + 1);
     wgmma::wait_group<1>();  // the scores; P V may still run
     wgmma::pin(reinterpret_cast<float (&)[64]>(s));
+    const int first_key = kv_begin + tile * kKeys;
     const bool full_tile = first_key + kKeys - 1 <= warp_first_pos && warp_first_pos + 15 - first_key < span;
     if (full_tile) {
       map_scores(s, score, lane, [](int, int) { return false; });
@@ -202,13 +214,21 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
     wgmma::pin(reinterpret_cast<float (&)[64]>(state.out));
 #pragma unroll
     for (int slice = 0; slice < kKeys / 16; ++slice) wgmma::pin(probs[slice]);
+    if (tile > 0) mbarrier_arrive(empty + (tile - 1) % kStages);  // its values were the last read of it
     rescale_output(state, rescale);
 #pragma unroll
     for (int slice = 0; slice < kKeys / 16; ++slice) probability_fragment<T>(probs[slice], s, slice);
-    pending = tile;
   }
-  finish_pending();
-  cp_async_wait<0>();  // nothing may land in shared memory after the CTA exits
+  if (num_tiles > 0) {  // the last tile's P V, in turn (group 0 passes it on, to group 1's last wait)
+    wait_turn();
+    wgmma::fence();
+    issue_values<T>(state, probs, value_desc(num_tiles - 1));
+    if (group == 0) pass_turn();
+    wgmma::wait_group<0>();
+    wgmma::pin(reinterpret_cast<float (&)[64]>(state.out));
+#pragma unroll
+    for (int slice = 0; slice < kKeys / 16; ++slice) wgmma::pin(probs[slice]);
+  }
 
   T* out = static_cast<T*>(p.out) + (q_begin + m0) * token_stride + head * kHeadDim;
   store_warp_rows<T, kHeadDim>(state, out, token_stride, warp * kWarpQueryRows, min(q_len - m0, kQueryRows),

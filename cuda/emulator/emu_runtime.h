@@ -61,6 +61,10 @@ class Barrier {
  public:
   explicit Barrier(int expected) : expected_(expected) {}
   void arrive_and_wait();
+  // Arrives without waiting (bar.arrive).
+  void arrive() {
+    if (++arrived_ == expected_) complete_phase();
+  }
   // An exited thread stops counting, as on the GPU.
   void arrive_and_drop() {
     --expected_;
@@ -98,6 +102,13 @@ struct WarpGroup {
   int accumulate[128];
 };
 
+// An mbarrier's state (its 8 bytes of shared memory only name it here).
+struct Mbarrier {
+  int expected = 0;
+  int pending = 0;
+  unsigned long completed = 0;  // phases completed; the current phase's parity is its low bit
+};
+
 struct Cta {
   explicit Cta(int threads) : barrier(threads), warps(static_cast<size_t>((threads + 31) / 32)) {
     for (int first = 0; first < threads; first += 128) groups.emplace_back(std::min(128, threads - first));
@@ -105,6 +116,19 @@ struct Cta {
   Barrier barrier;
   std::vector<Warp> warps;
   std::vector<WarpGroup> groups;
+  std::vector<std::unique_ptr<Barrier>> named = std::vector<std::unique_ptr<Barrier>>(16);  // bar.sync ids
+  std::vector<std::pair<const void*, Mbarrier>> mbarriers;
+
+  Barrier& named_barrier(int id, int threads) {
+    auto& bar = named[static_cast<size_t>(id)];
+    if (!bar) bar = std::make_unique<Barrier>(threads);
+    return *bar;
+  }
+  Mbarrier& mbarrier(const void* address) {
+    for (auto& [where, state] : mbarriers)
+      if (where == address) return state;
+    return mbarriers.emplace_back(address, Mbarrier{}).second;
+  }
 };
 
 inline Cta* current_cta = nullptr;
@@ -163,6 +187,13 @@ class CtaFibers {
         std::abort();
       }
     }
+  }
+
+  // The running thread lets the others run (a spin-wait's turn); it runs again in the next round.
+  void yield() {
+    Fiber& fiber = *fibers_[static_cast<size_t>(current_)];
+    fiber.waiting = nullptr;
+    switch_out(fiber, false);
   }
 
   // The running thread waits until `barrier` leaves `phase`.
