@@ -90,6 +90,11 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                      const TensorView& workspace, const TensorView& decode_order, const ops::AttentionOptions& options,
                      cudaStream_t stream);
 
+// Which kernel paged_attention runs prefill rows of 16-bit dtypes and this
+// head dim on, on the current device: "wgmma" (Hopper, sm_90a built; not with
+// PAGEDSERVE_WGMMA=0) or "mma.sync".
+const char* prefill_attention_kernel(int head_dim);
+
 // Bytes of split-K scratch paged_attention needs for num_seqs decode rows:
 // float32 partial outputs plus a running max and sum per (row, head, partition).
 size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_seq_len);

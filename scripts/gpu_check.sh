@@ -94,7 +94,10 @@ for stage in "${STAGES[@]}"; do
     optests)
       run_stage optests python3 -m pytest tests_py/test_cuda_ops.py tests_py/test_cuda_sampling.py \
         tests_py/test_ops_grouped_linear.py tests_py/test_ops_attention_window.py tests_py/test_ops_small_batch_linear.py tests_py/test_ops_qkv_rope_cache.py \
-        tests_py/test_ops_qkv_linear_rope_cache.py -q -p no:cacheprovider ;;
+        tests_py/test_ops_qkv_linear_rope_cache.py -q -p no:cacheprovider
+      # Head-dim-128 prefill runs the wgmma kernel on Hopper; the attention tests once more on the mma.sync one.
+      run_stage optests_mma_sync env PAGEDSERVE_WGMMA=0 python3 -m pytest tests_py/test_cuda_ops.py \
+        tests_py/test_ops_attention_window.py -q -p no:cacheprovider -k "attention or prefill" ;;
     sanitizer)  # memcheck over every GPU op test (~25 s); racecheck and synccheck on the kernels that share memory
                 # across warps: the attention subset and qkv_linear_rope_cache (rotation pairs meet in shared memory)
       run_stage sanitizer compute-sanitizer --tool memcheck --error-exitcode 1 \

@@ -14,7 +14,10 @@ compute-sanitizer memcheck, and a small attention subset under racecheck and syn
 from __future__ import annotations
 
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -544,11 +547,27 @@ def test_paged_attention_large_group_and_long_prefill(dtype):
     batch.check(batch.run_cuda(), seed, "group 32")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma prefill kernel is Hopper's (sm_90a)")
+def test_prefill_runs_on_wgmma_on_hopper_unless_told_not_to():
+    """Head dim 128 prefill rows run the wgmma kernel on an H100 / H200, head dim 64 the mma.sync kernel (bit
+    for bit SDPA's there); PAGEDSERVE_WGMMA=0, read once a process, puts head dim 128 back on mma.sync (gpu_check's
+    optests stage runs every attention test that way too)."""
+    told_not_to = os.environ.get("PAGEDSERVE_WGMMA") == "0"
+    assert _core.cuda_ops.prefill_attention_kernel(128) == ("mma.sync" if told_not_to else "wgmma")
+    assert _core.cuda_ops.prefill_attention_kernel(64) == "mma.sync"
+    code = "from pagedserve import _core; print(_core.cuda_ops.prefill_attention_kernel(128))"
+    env = {**os.environ, "PAGEDSERVE_WGMMA": "0"}
+    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert ran.stdout.strip() == "mma.sync"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_paged_attention_long_prompts_take_wide_ctas_with_the_same_outputs(dtype):
-    """From 2048 query tokens at head dim 128 the prefill runs 8-warp CTAs (prefill::WideShape): a long chunk
-    after a prefix next to short rows is right, and every row comes out bit for bit as the 4-warp CTAs compute
-    it (the same batch launched with max_query_len raised to 2048, whose extra query tiles exit at once)."""
+    """From 2048 query tokens at head dim 128 the mma.sync prefill runs 8-warp CTAs (prefill::WideShape; on
+    Hopper every head-dim-128 prefill runs the wgmma kernel): a long chunk after a prefix next to short rows is
+    right, and every row comes out bit for bit as with a batch of short rows only (the same batch launched with
+    max_query_len raised to 2048, whose extra query tiles exit at once)."""
     seed = fresh_seed()
     seeded(seed)
     long_batch = Batch([(1, 300), (2100, 2150), (70, 100)], 8, 2, 128, 16, dtype)

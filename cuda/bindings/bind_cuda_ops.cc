@@ -130,6 +130,8 @@ void bind_cuda_ops(py::module_& m) {
                 py::arg("out"), py::arg("logits"), py::arg("inv_temperature"), py::arg("allowed").none(true),
                 py::arg("seed"), stream);
 
+  m.def("prefill_attention_kernel", &cuda::prefill_attention_kernel, py::arg("head_dim"),
+        "The kernel prefill rows of this head dim (float16 / bfloat16) run on here: \"wgmma\" or \"mma.sync\".");
   m.def("paged_attention_workspace_bytes", &cuda::paged_attention_workspace_bytes, py::arg("num_seqs"),
         py::arg("num_heads"), py::arg("head_dim"), py::arg("max_seq_len"),
         "Bytes of split-K scratch paged_attention needs for num_seqs decode rows (allocate once, any dtype).");
