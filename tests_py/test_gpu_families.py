@@ -103,3 +103,37 @@ def test_bf16_on_cuda_agrees_with_transformers_bf16(name, tmp_path):
         our_gap = abs(lps[0] - lp32[first].item())
         # Top-k routing turns bf16 rounding into a different expert now and then: MoE gets a wider bound.
         assert our_gap <= max(4 * hf_gap, 0.25 if name in MOE_CASES else 0.1), (name, our_gap, hf_gap)
+
+
+# Head dim 128: on Hopper the wgmma prefill kernel (cuda/prefill_attention_wgmma.cuh) with its windows and
+# soft-capping; prompts over several of its 128-key tiles, prefilled in chunks of 128 tokens.
+HEAD_DIM_128_CASES = ["qwen3_qk_norm_bias", "gemma2", "llama_rope_llama3"]
+LONG_PROMPT_LENGTHS = (300, 170, 129, 64, 9)
+
+
+@pytest.mark.parametrize("name", HEAD_DIM_128_CASES)
+def test_bf16_head_dim_128_long_prompts_agree_with_transformers_bf16(name, tmp_path):
+    import transformers
+
+    class_name, overrides = DENSE_CASES[name]
+    model = make_hf_model(getattr(transformers, class_name), seed=zlib.crc32(name.encode()) % 1000,
+                          **{**GPU_SHAPE, "head_dim": 128, "max_position_embeddings": 512, **overrides})
+    model.save_pretrained(tmp_path)
+    generator = torch.Generator().manual_seed(5)
+    long_prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in LONG_PROMPT_LENGTHS]
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", seed=0, block_size=16, max_num_seqs=8,
+              max_model_len=512, num_kv_blocks=256, max_num_batched_tokens=128)
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in long_prompts], params, use_tqdm=False)
+    del llm
+    torch.cuda.empty_cache()
+    hf32 = model.to("cuda", torch.float32)
+    ref32 = [hf32(torch.tensor([p], device="cuda")).logits[0, -1].float().log_softmax(-1) for p in long_prompts]
+    hf16 = model.to("cuda", torch.bfloat16)
+    ref16 = [hf16(torch.tensor([p], device="cuda")).logits[0, -1].float().log_softmax(-1) for p in long_prompts]
+    for out, lp32, lp16, n in zip(outs, ref32, ref16, LONG_PROMPT_LENGTHS):
+        first = out.outputs[0].token_ids[0]
+        hf_gap = (lp16[first] - lp32[first]).abs().item()
+        our_gap = abs(out.outputs[0].logprobs[0][first].logprob - lp32[first].item())
+        assert our_gap <= max(4 * hf_gap, 0.1), (name, n, our_gap, hf_gap)
+        assert lp32[first] >= lp32.max() - 0.1, (name, n, "greedy token far from float32's best")
