@@ -1,6 +1,7 @@
 // Prefill / extend paged attention (rows with q_len > 1; float16 / bfloat16):
 // FlashAttention-2 on mma.sync tensor cores, keys and values gathered from
-// the paged cache.
+// the paged cache. At head dim 128 on an H100 / H200 (sm_90a built) the wgmma
+// kernel runs instead (prefill_attention_wgmma.cuh, launch_prefill_attention).
 //
 // Grid (query tile, query head, prefill row): a CTA owns 64 query tokens (128
 // from kWideQueryLen on at head dim 128, WideShape) of one head of one row;

@@ -1,28 +1,41 @@
 // Prefill / extend paged attention for head dim 128 on Hopper's warpgroup MMA
-// (wgmma, sm_90a; float16 / bfloat16). The same algorithm, grid and masking
-// as prefill_attention.cuh's mma.sync kernel, which runs where wgmma is not
-// built or not on the card; this one runs every head-dim-128 prefill row on an
-// H100 / H200, whatever the batch (a row's arithmetic never depends on which
-// kernel its batch chose).
+// (wgmma, sm_90a; float16 / bfloat16). The grid, the causal / window masks,
+// soft-capping and the online softmax (warp_attention.cuh) are the mma.sync
+// kernel's (prefill_attention.cuh), which runs where wgmma is not built or not
+// on the card; this one runs every head-dim-128 prefill row on an H100 / H200,
+// whatever the batch, so a row's arithmetic never depends on its batch.
 //
 // A CTA owns 128 query tokens of one head of one row: two warpgroups of 64
-// rows. Keys and values stream in 128-token tiles through a double-buffered
-// cp.async pipeline into the 128-byte-swizzled layout wgmma reads (SlabTile).
-// Per tile a warpgroup computes S = Q K^T (64 x 128, eight k-steps reading Q
-// and K from shared memory), runs the online softmax of warp_attention.cuh on
-// its registers (each warp on its 16 rows, as in the mma.sync kernel), and
-// adds P V (P from registers, V from shared memory as an MN-major operand).
-// P V is issued together with the next tile's Q K^T, so the tensor cores work
-// on it while the warpgroup waits for the scores and starts their softmax;
-// O is rescaled once it lands (the same operations in the same order).
-// Causal and window masks as in the mma.sync kernel, skipped per warpgroup.
+// rows. Keys and values stream in 128-token tiles through three stages of
+// shared memory in the 128-byte-swizzled layout wgmma reads (SlabTile). Per
+// tile a warpgroup computes S = Q K^T (64 x 128, eight k-steps reading Q and
+// K from shared memory), runs the softmax on its registers (each warp on its
+// 16 rows), and adds P V (P from registers, V as an MN-major operand).
 //
-// Why: mma.sync caps the mma.sync kernel's tensor pipe at ~36 % busy on an
-// H200 (its own dependent mma / softmax latencies); one wgmma issues a
-// 64 x 128 x 16 product for the whole warpgroup, asynchronously.
+// Three overlaps make it fast; the arithmetic is the same either way:
+//  - P V of tile t is issued with Q K^T of tile t + 1, so the tensor cores
+//    work on it while the warpgroup waits for the scores and starts their
+//    softmax (O is rescaled once it lands);
+//  - the warpgroups take turns issuing (named barriers), so one's softmax
+//    runs while the other's products keep the tensor cores busy;
+//  - no __syncthreads a tile: a stage is handed over by mbarriers (full:
+//    every thread's cp.async copies landed; empty: every thread's reads of it
+//    done), so the warpgroups run half a tile apart.
+// Every thread copies its share of every tile, and both warpgroups run every
+// tile of the CTA (a tile wholly masked for a warpgroup's rows adds exact
+// zeros), so both take the same number of turns.
 //
-// Shared memory: query 32 KB + 3 stages x (32 KB keys + 32 KB values) + 1 KB
-// to align the atoms = 225 KB (of 227), one CTA (8 warps) an SM.
+// Numbers (H200, one causal prompt of 4096 tokens, 32 / 8 heads, bf16;
+// bench/perf/kernel_bench.py --prefill-only, bench/results/h200/session35.md):
+// the mma.sync kernel 213-223 TFLOP/s (27-29 % of the matmul rate measured
+// beside it); this kernel with S / softmax / P V in sequence 267-273, with
+// P V beside the next Q K^T 255-278, with the mbarrier hand-over and turns
+// 325-334 (41-47 %). ncu of the second: tensor pipe ~32 % busy, 0.44
+// eligible warps a scheduler; registers 255 a thread, no spills.
+//
+// Shared memory: query 32 KB + 3 stages x (32 KB keys + 32 KB values) + 6
+// mbarriers + 1 KB to align the atoms = 225 KB (of 227), one CTA (8 warps)
+// an SM.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -2,7 +2,9 @@
 // M of mma.m16n8k16) against key / value tiles staged in shared memory, with
 // an online softmax kept in registers. The prefill kernel's rows are 16 query
 // tokens; the decode kernel (whose rows are the query heads of one kv head)
-// uses warp_scores and runs its own softmax across warps.
+// uses warp_scores and runs its own softmax across warps. The wgmma prefill
+// kernel (prefill_attention_wgmma.cuh) runs map_scores, the softmax and
+// store_warp_rows on a warpgroup MMA's results, laid out as mma.sync's.
 //
 // Per lane (g = lane / 4, q = lane % 4) the state covers rows g and g + 8:
 // the running max m and partial sum l of each row, and the 16 x D output O as
