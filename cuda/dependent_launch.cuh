@@ -31,11 +31,8 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
-#include <cstdlib>
-#include <cstring>
-
 #include "cuda_check.h"
+#include "device_features.h"
 
 namespace pagedserve::cuda {
 
@@ -54,24 +51,8 @@ __device__ __forceinline__ void let_next_kernel_launch() {
 // Whether launches on the current device may overlap their predecessor:
 // compute capability 9.0 or newer, and PAGEDSERVE_PDL is not "0". Cached per device.
 inline bool dependent_launch_enabled() {
-  static const bool allowed = [] {
-    const char* env = std::getenv("PAGEDSERVE_PDL");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
-  if (!allowed) return false;
-  constexpr int kMaxDevices = 64;
-  static std::atomic<signed char> supported[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 0 || device >= kMaxDevices) return false;
-  signed char known = supported[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    int major = 0;
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-    known = major >= 9 ? 1 : -1;
-    supported[device].store(known, std::memory_order_relaxed);
-  }
-  return known > 0;
+  static const bool allowed = env_switch_on("PAGEDSERVE_PDL");
+  return allowed && current_compute_capability() >= 90;
 }
 
 // kernel<<<grid, block, shared_bytes, stream>>>(args...), allowed to start

@@ -43,6 +43,7 @@
 #include "float_convert.cuh"
 #include "mma.cuh"
 #include "prefill_attention_wgmma.cuh"
+#include "prefill_tile.cuh"
 #include "smem_tile.cuh"
 #include "warp_attention.cuh"
 
@@ -105,19 +106,14 @@ __global__ void __launch_bounds__(Shape::kThreads, Shape::kCtasPerSm) prefill_at
   T* query_tile = reinterpret_cast<T*>(shared_bytes);
   T* stages = reinterpret_cast<T*>(shared_bytes + Layout::kQueryBytes);
 
-  const int row = p.num_decodes + static_cast<int>(blockIdx.z);
   const int head = static_cast<int>(blockIdx.y);
-  const int q_begin = p.query_start_loc[row];
-  const int q_len = p.query_start_loc[row + 1] - q_begin;
-  const int m0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * kQueryRows;
-  if (m0 >= q_len) return;
-  const int seq_len = p.seq_lens[row];
-  const int tile_first_pos = seq_len - q_len + m0;  // position of the CTA's first query
-  const int span = p.window_span;                   // INT_MAX without a window
-  // Keys [kv_begin, kv_end): from the first query's window start to the last query.
-  const int kv_begin = tile_first_pos >= span ? tile_first_pos - span + 1 : 0;
-  const int kv_end = min(seq_len, tile_first_pos + kQueryRows);
-  const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kKeys - 1) / kKeys : 0;
+  PrefillTile cta = PrefillTile::of_this_cta<kQueryRows>(p);
+  if (cta.idle()) return;
+  cta.find_keys<kQueryRows>(p);
+  const int row = cta.row, q_begin = cta.q_begin, q_len = cta.q_len, m0 = cta.m0, seq_len = cta.seq_len;
+  const int tile_first_pos = cta.first_pos, kv_begin = cta.kv_begin, kv_end = cta.kv_end;
+  const int span = p.window_span;  // INT_MAX without a window
+  const int num_tiles = cta.num_key_tiles<kKeys>();
   // Whether every query of the CTA sees every key of the tile at first_key (no mask needed).
   auto unmasked_tile = [&](int first_key) {
     return first_key + kKeys - 1 <= tile_first_pos && tile_first_pos + kQueryRows - 1 - first_key < span;

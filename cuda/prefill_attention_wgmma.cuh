@@ -40,15 +40,14 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "attention_common.cuh"
 #include "attention_params.h"
 #include "cuda_check.h"
+#include "device_features.h"
 #include "mbarrier.cuh"
+#include "prefill_tile.cuh"
 #include "smem_tile.cuh"
 #include "warp_attention.cuh"
 #include "wgmma.cuh"
@@ -120,18 +119,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
   T* query_tile = reinterpret_cast<T*>(aligned);
   T* stages = reinterpret_cast<T*>(aligned + Layout::kQueryBytes);
 
-  const int row = p.num_decodes + static_cast<int>(blockIdx.z);
   const int head = static_cast<int>(blockIdx.y);
-  const int q_begin = p.query_start_loc[row];
-  const int q_len = p.query_start_loc[row + 1] - q_begin;
-  const int m0 = static_cast<int>(gridDim.x - 1 - blockIdx.x) * kQueryRows;  // heaviest tiles first
-  if (m0 >= q_len) return;
-  const int seq_len = p.seq_lens[row];
-  const int tile_first_pos = seq_len - q_len + m0;
-  const int span = p.window_span;
-  const int kv_begin = tile_first_pos >= span ? tile_first_pos - span + 1 : 0;
-  const int kv_end = min(seq_len, tile_first_pos + kQueryRows);
-  const int num_tiles = kv_end > kv_begin ? (kv_end - kv_begin + kKeys - 1) / kKeys : 0;
+  PrefillTile cta = PrefillTile::of_this_cta<kQueryRows>(p);
+  if (cta.idle()) return;
+  cta.find_keys<kQueryRows>(p);
+  const int row = cta.row, q_begin = cta.q_begin, q_len = cta.q_len, m0 = cta.m0, seq_len = cta.seq_len;
+  const int tile_first_pos = cta.first_pos, kv_begin = cta.kv_begin, kv_end = cta.kv_end;
+  const int span = p.window_span;  // INT_MAX without a window
+  const int num_tiles = cta.num_key_tiles<kKeys>();
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -256,26 +251,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
 // kernel instead, for A/B runs). Cached per device.
 inline bool available() {
 #if defined(PAGEDSERVE_WGMMA)
-  static const bool allowed = [] {
-    const char* env = std::getenv("PAGEDSERVE_WGMMA");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
-  if (!allowed) return false;
-  constexpr int kMaxDevices = 64;
-  static std::atomic<signed char> supported[kMaxDevices] = {};  // 0 unknown, 1 yes, -1 no
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  if (device < 0 || device >= kMaxDevices) return false;
-  signed char known = supported[device].load(std::memory_order_relaxed);
-  if (known == 0) {
-    int major = 0;
-    int minor = 0;
-    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "cudaDeviceGetAttribute");
-    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device), "cudaDeviceGetAttribute");
-    known = major == 9 && minor == 0 ? 1 : -1;
-    supported[device].store(known, std::memory_order_relaxed);
-  }
-  return known > 0;
+  static const bool allowed = env_switch_on("PAGEDSERVE_WGMMA");
+  return allowed && current_compute_capability() == 90;
 #else
   return false;
 #endif
