@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
     }
   }
   __syncthreads();
-  // Tile t's fill is that stage's (t / kStages)-th: the parity its phases have.
+  // Tile t is the (t / kStages)-th fill of stage t % kStages; a wait names its phase by parity.
   auto wait_full = [&](int tile) { mbarrier_wait(full + tile % kStages, tile / kStages % 2); };
   auto refill = [&](int tile) {  // this thread's copies of `tile`, once its stage's previous tile is done with
     if (tile >= kStages) mbarrier_wait(empty + tile % kStages, (tile / kStages - 1) % 2);
@@ -176,14 +176,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
   const uint64_t query_desc = wgmma::descriptor(query_tile + group * wgmma::kRows * 64, 16, wgmma::kAtomBytes);
   auto key_desc = [&](int tile) { return wgmma::descriptor(key_tile(tile), 16, wgmma::kAtomBytes); };
   // V is MN-major: the leading stride is from one 64-column slab to the next.
-  auto value_desc = [&](int tile) { return wgmma::descriptor(value_tile(tile), Layout::kSlabBytes, wgmma::kAtomBytes); };
+  auto value_desc = [&](int tile) {
+    return wgmma::descriptor(value_tile(tile), Layout::kSlabBytes, wgmma::kAtomBytes);
+  };
 
   // The warpgroups take turns issuing their tile's wgmmas (named barrier
   // kIssueTurn + g: group g's turn), so one's softmax runs while the other's
   // products keep the tensor cores busy. Group 1 lets group 0 go first.
   auto wait_turn = [&] { named_barrier_sync(kIssueTurn + group, kThreads); };
   auto pass_turn = [&] { named_barrier_arrive(kIssueTurn + 1 - group, kThreads); };
-  if (group == 1) pass_turn();
+  if (group == 1 && num_tiles > 0) pass_turn();
 
   // A tile's P V runs beside the next tile's Q K^T (and the first half of
   // its softmax): `probs` holds the previous tile's probabilities until then.
@@ -206,7 +208,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
     wgmma::wait_group<1>();  // the scores; P V may still run
     wgmma::pin(reinterpret_cast<float (&)[64]>(s));
     const int first_key = kv_begin + tile * kKeys;
-    const bool full_tile = first_key + kKeys - 1 <= warp_first_pos && warp_first_pos + 15 - first_key < span;
+    const bool full_tile =
+        first_key + kKeys - 1 <= warp_first_pos && warp_first_pos + kWarpQueryRows - 1 - first_key < span;
     if (full_tile) {
       map_scores(s, score, lane, [](int, int) { return false; });
     } else {
@@ -237,10 +240,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_attention_wgmma_kernel(co
 #pragma unroll
     for (int slice = 0; slice < kKeys / 16; ++slice) wgmma::pin(probs[slice]);
   }
+  cp_async_wait<0>();  // every copy was waited for through `full`; this keeps it so should a row be malformed
 
   T* out = static_cast<T*>(p.out) + (q_begin + m0) * token_stride + head * kHeadDim;
-  store_warp_rows<T, kHeadDim>(state, out, token_stride, warp * kWarpQueryRows, min(q_len - m0, kQueryRows),
-                                   lane);
+  store_warp_rows<T, kHeadDim>(state, out, token_stride, warp * kWarpQueryRows, min(q_len - m0, kQueryRows), lane);
 #else
   __trap();  // launched only where sm_90a code was built (available() below)
 #endif

@@ -209,7 +209,7 @@ __device__ __forceinline__ void warp_attend(WarpAttentionState<kHeadDim>& state,
 // num_rows valid rows (those inside the chunk) as O / l, row r at out + r * row_stride.
 template <typename T, int kHeadDim>
 __device__ __forceinline__ void store_warp_rows(WarpAttentionState<kHeadDim>& state, T* out, int64_t row_stride,
-                                           int first_row, int num_rows, int lane) {
+                                                int first_row, int num_rows, int lane) {
   state.finish_sums();
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
