@@ -300,10 +300,7 @@ def markdown(results) -> str:
                    ["batch", "contexts", "launch order", "time (ms)", "GB/s", "% of copy"],
                    [[str(r["batch"]), r["contexts"], r["order"], f"{r['ms']:.4f}", f"{r['gb_per_s']:.0f}",
                      f"{100 * r['fraction_of_copy']:.1f} %"] for r in results["decode_mixed"]])
-    lines += table(f"Prefill attention (one causal prompt, 32 q / 8 kv heads, D 128, bf16; "
-                   f"{results['prefill_kernel']} kernel)",
-                   ["tokens", "time (ms)", "TFLOP/s", "% of matmul"], prefill_rows(results))
-    lines += target_line("4096 tokens", results["prefill_target"], "the matmul rate", PREFILL_TARGET)
+    lines += prefill_section(results)
     lines += table("Small fused ops, TinyLlama-1.1B shapes (bf16)", ["op", "tokens", "ours (us)", "torch eager (us)",
                                                                    "speedup"],
                    [[r["op"], str(r["tokens"]), f"{r['ours_us']:.2f}", f"{r['torch_us']:.2f}", f"{r['speedup']:.1f}x"]
@@ -311,9 +308,12 @@ def markdown(results) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prefill_rows(results):
-    return [[str(r["seq_len"]), f"{r['ms']:.3f}", f"{r['tflops']:.0f}", f"{100 * r['fraction_of_matmul']:.1f} %"]
+def prefill_section(results) -> list[str]:
+    rows = [[str(r["seq_len"]), f"{r['ms']:.3f}", f"{r['tflops']:.0f}", f"{100 * r['fraction_of_matmul']:.1f} %"]
             for r in results["prefill"]]
+    return (table(f"Prefill attention (one causal prompt, 32 q / 8 kv heads, D 128, bf16; {results['prefill_kernel']}"
+                  " kernel)", ["tokens", "time (ms)", "TFLOP/s", "% of matmul"], rows)
+            + target_line("4096 tokens", results["prefill_target"], "the matmul rate", PREFILL_TARGET))
 
 
 def main():
@@ -329,11 +329,9 @@ def main():
         results["matmul_tflops"] = matmul_tflops(args)
         print(f"bf16 matmul {results['matmul_tflops']:.0f} TFLOP/s", flush=True)
         results.update(prefill_results(results["matmul_tflops"], args))
-        report = "\n".join(table(f"Prefill attention (one causal prompt, 32 q / 8 kv heads, D 128, bf16; "
-                                 f"{results['prefill_kernel']} kernel)",
-                                 ["tokens", "time (ms)", "TFLOP/s", "% of matmul"], prefill_rows(results)))
+        report = "\n".join(prefill_section(results)) + "\n"
         print(report)
-        print(f"saved {save('kernel_bench_prefill', results, report + chr(10), args.out)}")
+        print(f"saved {save('kernel_bench_prefill', results, report, args.out)}")
         return
     results["copy_gb_per_s"] = copy_bandwidth_gbs(args)
     results["matmul_tflops"] = matmul_tflops(args)
