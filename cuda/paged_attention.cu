@@ -157,7 +157,7 @@ const int32_t* checked_decode_order(const TensorView& order, int num_decodes, in
 }  // namespace
 
 const char* prefill_attention_kernel(int head_dim) {
-  return head_dim == prefill_wgmma::kHeadDim && prefill_wgmma::available() ? "wgmma" : "mma.sync";
+  return prefill_wgmma::takes(head_dim) ? "wgmma" : "mma.sync";
 }
 
 size_t paged_attention_workspace_bytes(int num_seqs, int num_heads, int head_dim, int max_seq_len) {

@@ -205,7 +205,7 @@ void launch_prefill_attention_shaped(const PagedAttentionParams& p, cudaStream_t
 template <typename T, int kHeadDim, int kBlockSize>
 void launch_prefill_attention(const PagedAttentionParams& p, cudaStream_t stream) {
   if constexpr (kHeadDim == prefill_wgmma::kHeadDim) {
-    if (prefill_wgmma::available()) {
+    if (prefill_wgmma::takes(kHeadDim)) {
       launch_prefill_attention_wgmma<T, kBlockSize>(p, stream);
       return;
     }

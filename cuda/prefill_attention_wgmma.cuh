@@ -261,6 +261,10 @@ inline bool available() {
 #endif
 }
 
+// Whether prefill rows of this head dim run this kernel here (the one rule
+// launch_prefill_attention and prefill_attention_kernel follow).
+inline bool takes(int head_dim) { return head_dim == kHeadDim && available(); }
+
 }  // namespace prefill_wgmma
 
 // Launches the wgmma kernel for rows [p.num_decodes, p.num_seqs).

@@ -35,8 +35,8 @@ done
 for pid in "${pids[@]}"; do wait "$pid"; done
 "${CXX:-g++}" "${FLAGS[@]}" "$OUT"/obj/*.o -o "$OUT/emulate_ops"
 ASAN_OPTIONS=detect_leaks=0 "$OUT/emulate_ops" "$@"
-# The emulated card is an H100, so head-dim-128 prefill ran the wgmma kernel; once more on the mma.sync
-# kernel that builds without sm_90a run.
+# The emulated card is an H100, so head-dim-128 prefill ran the wgmma kernel; the attention cases once more
+# on the mma.sync kernel, which builds without sm_90a and older cards run.
 if [[ $# -eq 0 || "$1" == attention* ]]; then
   echo "attention again on the mma.sync prefill kernel (PAGEDSERVE_WGMMA=0)"
   PAGEDSERVE_WGMMA=0 ASAN_OPTIONS=detect_leaks=0 "$OUT/emulate_ops" "${1:-attention}"
