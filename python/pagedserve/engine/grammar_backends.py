@@ -145,7 +145,8 @@ def _check_reads_alike(hf_tokenizer, ll_tokenizer) -> None:
     """ValueError unless llguidance reads the tokens of a probe text as transformers does. It guesses how
     tokens map to bytes from tokenizer.json's decoder: a byte-level BPE tokenizer whose decoder is a
     Sequence (as transformers 5.17 writes one converted from a GGUF file) it reads as SentencePiece, so "Ġ"
-    stays "Ġ" where a space was meant and its masks refuse valid JSON."""
+    stays "Ġ" where a space was meant and its masks refuse valid JSON. Our own GGUF conversions write the
+    plain ByteLevel decoder (models/tokenizer_json.py); a model directory made elsewhere may still have it."""
     ids = hf_tokenizer.encode(_PROBE, add_special_tokens=False)
     expected = hf_tokenizer.decode(ids, clean_up_tokenization_spaces=False).encode("utf-8")
     got = bytes(ll_tokenizer.decode_bytes(ids))

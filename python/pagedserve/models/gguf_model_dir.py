@@ -26,7 +26,7 @@ from typing import Any, Optional
 from pagedserve.models.gguf_file import GGUF_ARCHITECTURES, GgufFile, check_is_gguf
 
 GGUF_SOURCE_FILE = "pagedserve_gguf_source.json"
-_VERSION = 1
+_VERSION = 2  # 2: the tokenizer's decoder made canonical (models/tokenizer_json.py)
 
 
 def gguf_model_dir(gguf_path: Path, cache_root: Path) -> Path:
