@@ -43,7 +43,7 @@ def _matchers(grammars: Grammars, tokenizer, num_rows: int) -> tuple[list, list[
     xgr_grammar = XgrammarBackend(tokenizer, grammars.vocab_size, [tokenizer.eos_token_id]).compile(spec)
     try:
         llg_grammar = LLGuidanceBackend(tokenizer, grammars.vocab_size, [tokenizer.eos_token_id]).compile(spec)
-    except ValueError:  # llguidance misreads this tokenizer (transformers 5.17's GGUF conversion): xgrammar only
+    except ValueError:  # llguidance misreads it (a decoder as transformers 5.17 converts GGUF files): xgrammar only
         llg_grammar = xgr_grammar
     ids = tokenizer.encode(TEXT) + [tokenizer.eos_token_id]
     pairs, nexts = [], []

@@ -61,8 +61,8 @@ def backend_order(backend: str, kind: str) -> tuple[str, ...]:
     xgrammar's on one core (5.4 vs 22 us a row on a Zen 4 core; 0.70 vs 3.97 ms a step of 64 rows on an H200
     host, where xgrammar's 8 threads take 0.96), it needs no thread pool beside torch's, and its JSON strings
     take no special tokens (xgrammar's take <|im_start|> and the like as text). In the engine on that H200
-    host the step's masks cost alike (~0.9 ms), so JSON throughput there moved only within noise; on a
-    2-core Zen 4 engine JSON went from 93.6 to 96.4 % of unconstrained (bench/results/h200/session34.md).
+    host JSON went from 44-51 % of unconstrained (xgrammar) to 56-66 % (llguidance; 64 rows, real weights,
+    bench/results/h200/session36.md), on a 2-core Zen 4 engine from 93.6 to 96.4 % (session34.md).
     The other kinds go to xgrammar first, llguidance where xgrammar refuses: llguidance's structural tags
     took 15-50 ms for some steps' masks on random weights."""
     takes = kind in LLGuidanceBackend.kinds
