@@ -54,7 +54,7 @@ def test_sequence_decoder_of_a_byte_level_bpe_becomes_byte_level(default_model_p
     assert llguidance is not None
 
 
-@pytest.mark.parametrize("change", ["sentencepiece_token", "byte_token", "other_replace", "strip"])
+@pytest.mark.parametrize("change", ["sentencepiece_token", "byte_token", "other_replace", "strip", "byte_level_first"])
 def test_decoders_whose_other_steps_act_are_left_alone(default_model_path, tmp_path, change):
     spec = _as_517_writes_it(default_model_path, tmp_path)
     if change == "sentencepiece_token":
@@ -63,8 +63,10 @@ def test_decoders_whose_other_steps_act_are_left_alone(default_model_path, tmp_p
         spec["model"]["vocab"]["<0x0A>"] = len(spec["model"]["vocab"])
     elif change == "other_replace":
         spec["decoder"]["decoders"][2] = {"type": "Replace", "pattern": {"String": "x"}, "content": "y"}
-    else:
+    elif change == "strip":
         spec["decoder"]["decoders"].append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    else:  # the Replace would then act on decoded text
+        spec["decoder"]["decoders"].insert(0, spec["decoder"]["decoders"].pop())
     assert with_byte_level_decoder(spec) is spec
 
 

@@ -25,7 +25,9 @@ def with_byte_level_decoder(spec: dict) -> dict:
         return spec
     parts = decoder.get("decoders") or []
     byte_level = [d for d in parts if d.get("type") == "ByteLevel"]
-    if len(byte_level) != 1 or any(d.get("type") not in _NO_OPS_FOR_BYTE_LEVEL | {"ByteLevel"} for d in parts):
+    if len(byte_level) != 1 or parts[-1] is not byte_level[0]:  # last: the others see byte-level text only
+        return spec
+    if any(d.get("type") not in _NO_OPS_FOR_BYTE_LEVEL | {"ByteLevel"} for d in parts):
         return spec
     if any(d.get("type") == "Replace" and d.get("pattern") != {"String": "\u2581"} for d in parts):
         return spec
