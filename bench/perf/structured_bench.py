@@ -133,8 +133,10 @@ def main() -> None:
 
             def ms_per_step(seconds: float) -> float:
                 return 1000 * seconds / max(steps[0], 1)
-            row = {"case": name, "requests": args.num_requests, "output_tokens": tokens, "wall_s": wall,
-                   "tokens_per_s": tokens / wall, "steps": steps[0], "mask_ms_per_step": ms_per_step(mask),
+            spec = params.structured_outputs  # which backend served it: a fallback must show (session 36)
+            backend = engine.grammars.compile(spec).backend if spec is not None else "-"
+            row = {"case": name, "backend": backend, "requests": args.num_requests, "output_tokens": tokens,
+                   "wall_s": wall, "tokens_per_s": tokens / wall, "steps": steps[0], "mask_ms_per_step": ms_per_step(mask),
                    "check_ms_per_step": ms_per_step(check),
                    "refused_pct": 100 * refused / checked if checked else 0.0,
                    "launch_ms_per_step": ms_per_step(launch), "wait_ms_per_step": ms_per_step(wait),
@@ -146,7 +148,7 @@ def main() -> None:
     vs_plain = {name: row["tokens_per_s"] / best["unconstrained"]["tokens_per_s"] for name, row in best.items()}
     ratio, compact_ratio = vs_plain["json schema"], vs_plain["json schema, compact (no free whitespace)"]
     bounded_ratio, tag_ratio = vs_plain["json schema, strings maxLength 24"], vs_plain["tools auto (structural tag)"]
-    table = markdown_table(rows, ["case", "requests", "output_tokens", "wall_s", "tokens_per_s", "steps",
+    table = markdown_table(rows, ["case", "backend", "requests", "output_tokens", "wall_s", "tokens_per_s", "steps",
                                  "mask_ms_per_step", "check_ms_per_step", "refused_pct", "launch_ms_per_step",
                                  "wait_ms_per_step",
                                  "other_host_ms_per_step", "finish"])
