@@ -136,8 +136,8 @@ def main() -> None:
             spec = params.structured_outputs  # which backend served it: a fallback must show (session 36)
             backend = engine.grammars.compile(spec).backend if spec is not None else "-"
             row = {"case": name, "backend": backend, "requests": args.num_requests, "output_tokens": tokens,
-                   "wall_s": wall, "tokens_per_s": tokens / wall, "steps": steps[0], "mask_ms_per_step": ms_per_step(mask),
-                   "check_ms_per_step": ms_per_step(check),
+                   "wall_s": wall, "tokens_per_s": tokens / wall, "steps": steps[0],
+                   "mask_ms_per_step": ms_per_step(mask), "check_ms_per_step": ms_per_step(check),
                    "refused_pct": 100 * refused / checked if checked else 0.0,
                    "launch_ms_per_step": ms_per_step(launch), "wait_ms_per_step": ms_per_step(wait),
                    "other_host_ms_per_step": ms_per_step(wall - launch - wait),

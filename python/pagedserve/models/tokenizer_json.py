@@ -24,14 +24,13 @@ def with_byte_level_decoder(spec: dict) -> dict:
     if decoder.get("type") != "Sequence" or model.get("type") != "BPE":
         return spec
     parts = decoder.get("decoders") or []
-    byte_level = [d for d in parts if d.get("type") == "ByteLevel"]
-    if len(byte_level) != 1 or parts[-1] is not byte_level[0]:  # last: the others see byte-level text only
+    if not parts or parts[-1].get("type") != "ByteLevel":  # last: the others see byte-level text only
         return spec
-    if any(d.get("type") not in _NO_OPS_FOR_BYTE_LEVEL | {"ByteLevel"} for d in parts):
+    if any(d.get("type") not in _NO_OPS_FOR_BYTE_LEVEL for d in parts[:-1]):
         return spec
     if any(d.get("type") == "Replace" and d.get("pattern") != {"String": "\u2581"} for d in parts):
         return spec
     tokens = list(model.get("vocab") or {}) + [t.get("content", "") for t in spec.get("added_tokens") or []]
     if any("\u2581" in t or _BYTE_TOKEN.match(t) for t in tokens):
         return spec
-    return {**spec, "decoder": byte_level[0], "model": {**model, "byte_fallback": False}}
+    return {**spec, "decoder": parts[-1], "model": {**model, "byte_fallback": False}}
