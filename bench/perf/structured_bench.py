@@ -118,7 +118,7 @@ def main() -> None:
     for _ in range(args.runs):
         for name, params in cases.items():
             g = engine.grammars.stats
-            steps[0], mask0, check0 = 0, g.mask_seconds, g.check_seconds
+            steps[0], mask0, check0, thread0 = 0, g.mask_seconds, g.check_seconds, g.thread_seconds
             checked0, refused0 = g.rows_checked, g.rows_refused
             phases.update(launch=0.0, wait=0.0)
             start = time.perf_counter()
@@ -127,7 +127,7 @@ def main() -> None:
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             if name == "json schema":
                 written = [list(o.outputs[0].token_ids) for o in outs]
-            mask, check = g.mask_seconds - mask0, g.check_seconds - check0
+            mask, check, thread = g.mask_seconds - mask0, g.check_seconds - check0, g.thread_seconds - thread0
             checked, refused = g.rows_checked - checked0, g.rows_refused - refused0
             launch, wait = phases["launch"], phases["wait"]
 
@@ -137,7 +137,8 @@ def main() -> None:
             backend = engine.grammars.compile(spec).backend if spec is not None else "-"
             row = {"case": name, "backend": backend, "requests": args.num_requests, "output_tokens": tokens,
                    "wall_s": wall, "tokens_per_s": tokens / wall, "steps": steps[0],
-                   "mask_ms_per_step": ms_per_step(mask), "check_ms_per_step": ms_per_step(check),
+                   "mask_ms_per_step": ms_per_step(mask), "thread_ms_per_step": ms_per_step(thread),
+                   "check_ms_per_step": ms_per_step(check),
                    "refused_pct": 100 * refused / checked if checked else 0.0,
                    "launch_ms_per_step": ms_per_step(launch), "wait_ms_per_step": ms_per_step(wait),
                    "other_host_ms_per_step": ms_per_step(wall - launch - wait),
@@ -149,7 +150,8 @@ def main() -> None:
     ratio, compact_ratio = vs_plain["json schema"], vs_plain["json schema, compact (no free whitespace)"]
     bounded_ratio, tag_ratio = vs_plain["json schema, strings maxLength 24"], vs_plain["tools auto (structural tag)"]
     table = markdown_table(rows, ["case", "backend", "requests", "output_tokens", "wall_s", "tokens_per_s", "steps",
-                                 "mask_ms_per_step", "check_ms_per_step", "refused_pct", "launch_ms_per_step",
+                                 "mask_ms_per_step", "thread_ms_per_step", "check_ms_per_step", "refused_pct",
+                                 "launch_ms_per_step",
                                  "wait_ms_per_step",
                                  "other_host_ms_per_step", "finish"])
     fills = [] if args.skip_replay else mask_replay(engine, written)
@@ -160,9 +162,13 @@ def main() -> None:
           f"compact, {100 * bounded_ratio:.1f}% with bounded string lengths); tools auto (structural tag): {100 * tag_ratio:.1f}%. Masks are filled once the forward is "
           f"queued ({overlap}); where they would cost more than CHECK_FIRST_SECONDS a step, rows that sample "
           f"plainly (temperature, as here) draw unmasked, the grammar checks each draw (check) and only refused "
-          f"rows (refused %) get a mask (mask) and draw again, after the first draw reaches the host. Per step: launch = host time queuing the "
-          f"forward and sampling; wait = host time waiting for the sampled ids, checks and redraws included; "
-          f"other = the rest of the step on the host (scheduling, recording tokens, advancing matchers).\n\n{compile_table}")
+          f"rows (refused %) get a mask (mask) and draw again, after the first draw reaches the host. With "
+          f"structured_outputs_thread on ({engine.config.structured_outputs_thread} here), steps whose masks are "
+          f"cheap go to the grammar thread (thread: its ms a step; mask: the engine's wait for them and placing "
+          f"them) and run ahead, their draw queued before the next forward (in 'other'). Per step: launch = host "
+          f"time queuing the forward and sampling; wait = host time waiting for the sampled ids, checks and "
+          f"redraws included; other = the rest of the step on the host (scheduling, recording tokens, advancing "
+          f"matchers).\n\n{compile_table}")
     if fills:
         md += (f"\n\nThe JSON schema case's {len(written)} outputs replayed through each backend's masks (host, one "
                f"batch fill a step, as the engine fills them; the engine's backend for json schemas: "

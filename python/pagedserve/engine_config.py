@@ -58,9 +58,9 @@ class EngineConfig:
                                          "models/batch_invariant.py). The CPU always is")
     async_scheduling: str = _knob("auto", "schedule step N+1 and queue its forward before step N's tokens reach the "
                                           "host, so the device does not wait for the host between steps (same tokens "
-                                          "and logprobs; a step with grammar rows, prompt logprobs or a prompt "
-                                          "forking into n samples waits as before); auto: on with CUDA and one "
-                                          "process", choices=("auto", "on", "off"))
+                                          "and logprobs; a step with prompt logprobs, a prompt forking into n "
+                                          "samples or grammar rows not on the grammar thread waits as before); "
+                                          "auto: on with CUDA and one process", choices=("auto", "on", "off"))
     cpu_fused_layers: bool = _knob(True, "CPU, packed weights: run every decoder layer of a step as one C++ call "
                                          "(the same ops, bit-identical results, less Python per step)")
     cpu_weight_dtype: str = _knob("auto", "CPU, float32 models: store linear weights as bf16 tiles (auto: when that "
@@ -78,6 +78,11 @@ class EngineConfig:
                                                     "those kinds, xgrammar for choice, json_object and "
                                                     "structural tags in the format form",
                                             choices=STRUCTURED_OUTPUTS_BACKENDS)
+    structured_outputs_thread: str = _knob("auto", "take the tokens of grammar steps whose rows are all under "
+                                                   "llguidance, and fill their next masks, on a thread of their own "
+                                                   "while the engine goes on; such steps then run ahead (same "
+                                                   "tokens); auto: on where async_scheduling is",
+                                           choices=("auto", "on", "off"))
     max_logprobs: int = _knob(20, "most logprobs a request may ask for per token")
     quantization: str = _knob("none", "weights kept quantized in memory: int8 (per output channel, made from any "
                                       "checkpoint at load); a .gguf model keeps its own blocks whatever this says",
@@ -138,20 +143,24 @@ def resolve_defaults(config: EngineConfig, device_type: str, max_position_embedd
                      checkpoint_is_bf16: bool = False) -> EngineConfig:
     """The config with every device-dependent default decided (the one place that decides them):
     max_num_seqs, the token budget, max_model_len (before the KV plan may lower it), the CPU KV budget,
-    cpu_precision ("float32" or "bfloat16" from here on) and async_scheduling ("on" or "off")."""
+    cpu_precision ("float32" or "bfloat16" from here on), async_scheduling and structured_outputs_thread
+    ("on" or "off")."""
     cuda = device_type == "cuda"
     if config.quantization != "none" and cuda:
         raise ValueError(f"quantization {config.quantization!r} runs on the CPU only; use --device cpu or "
                          "--quantization none")
     max_num_seqs = config.max_num_seqs or (CUDA_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS)
     budget = config.max_num_batched_tokens or max(CUDA_TOKEN_BUDGET if cuda else CPU_TOKEN_BUDGET, max_num_seqs)
+    async_scheduling = resolve_async_scheduling(config, device_type)
     kv_gb = config.kv_cache_memory_gb
     if kv_gb is None and not cuda:
         kv_gb = CPU_KV_CACHE_GB
     return replace(config, device=device_type, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                    max_model_len=config.max_model_len or max_position_embeddings, kv_cache_memory_gb=kv_gb,
                    cpu_precision=resolve_cpu_precision(config, device_type, checkpoint_is_bf16),
-                   async_scheduling=resolve_async_scheduling(config, device_type))
+                   async_scheduling=async_scheduling,
+                   structured_outputs_thread=(async_scheduling if config.structured_outputs_thread == "auto"
+                                              else config.structured_outputs_thread))
 
 
 def resolve_async_scheduling(config: EngineConfig, device_type: str) -> str:

@@ -25,7 +25,11 @@ device. Then, while the device runs that forward, the advanced step's tokens
 are committed (C++: EOS, stop ids, max_tokens, as update() applies them) and
 recorded, and only then are the new step's sampling rows and grammar masks
 built, so penalties, min_tokens and grammars see every token (a step with
-grammar rows or prompt logprobs is not itself run ahead: _may_run_ahead). The device no
+prompt logprobs, or with grammar rows the grammar thread does not take, is not
+itself run ahead: _may_run_ahead). A plain draw under the grammar thread's
+masks (engine/grammar_thread.py) is queued once they are in, just before the
+next forward: they fill there while this thread records, emits and schedules.
+The device no
 longer waits for scheduling and input copies between steps; a row whose
 sequence the commit finishes ran once more, and its token is dropped. Tokens
 and logprobs are the same either way.
@@ -105,7 +109,8 @@ class LLMEngine:
         self.num_steps_run_ahead = 0
         self.grammars = Grammars(model_dir, self.model_config.vocab_size, self.eos_token_ids,  # structured outputs
                                  self.config.max_num_seqs, pin_memory=self.worker.device.type == "cuda",
-                                 backend=self.config.structured_outputs_backend)
+                                 backend=self.config.structured_outputs_backend,
+                                 thread=self.config.structured_outputs_thread == "on")
         self._recorder = TokenRecorder(self._sequences, self.grammars, self.requests, self.tokenizer,
                                        self.worker.sampler.generator_for)
         self._prompt_logprobs = PromptLogprobs(self._recorder.logprob_entry)  # SamplingParams.prompt_logprobs
@@ -203,10 +208,11 @@ class LLMEngine:
     def _may_run_ahead(self, out, pending, matchers: list) -> bool:
         """Whether the next step may be scheduled before this one's tokens reach the host: run-ahead is on,
         no prompt forks here (update() makes the children), the samples are final on the device, the step
-        computed no prompt logprobs (the next plan counts recorded positions), and no row is under a grammar. Run
-        ahead, grammar steps were exact but slower on an H200 (64 rows, SmolLM2: JSON schema 28.3k -> 26.2k
-        tok/s, tools auto 38.1k -> 31.8k; bench/results/h200/session31.md), so they keep the plain order."""
-        return (self._run_ahead and not matchers and pending.device_ids is not None
+        computed no prompt logprobs (the next plan counts recorded positions), and any grammar rows are the
+        grammar thread's (a deferred draw). With the masks filled on this thread, grammar steps run ahead were
+        exact but slower on an H200 (64 rows, SmolLM2: JSON schema 28.3k -> 26.2k tok/s, tools auto 38.1k ->
+        31.8k; bench/results/h200/session31.md), so those keep the plain order."""
+        return (self._run_ahead and (not matchers or pending.waiting_to_launch) and pending.device_ids is not None
                 and out.total_samples == len(out.sample_rows) and self._prompt_logprobs.idle)
 
     def _catch_up(self) -> None:
@@ -253,7 +259,10 @@ class LLMEngine:
         The (row, grammar) pairs of the constrained rows are added to `matchers`."""
         rows = lambda: self._sampling_rows(out, matchers)  # noqa: E731
         grammar = lambda: self.grammars.step(matchers)  # noqa: E731
-        last_ids = self._advanced[1].device_ids if self._advanced is not None else None
+        last_ids = None
+        if self._advanced is not None:  # the forward reads its ids on the device: a deferred draw is queued first
+            self._advanced[1].launch()
+            last_ids = self._advanced[1].device_ids
         return self.worker.execute_async(out, rows, grammar, self._prompt_logprobs.plan(out), last_ids)
 
     def _sampling_rows(self, out, matchers: list) -> list:
@@ -285,6 +294,7 @@ class LLMEngine:
         """Aborts what is left, stops the tensor-parallel ranks and frees the device memory (weights, KV
         cache, CUDA graphs) now, rather than whenever the garbage collector gets to it."""
         self.abort_request(list(self.requests))
+        self.grammars.close()
         device = self.worker.device
         self.worker.close()
         del self.worker

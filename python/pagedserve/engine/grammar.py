@@ -19,7 +19,9 @@ next-token masks are written into a host int32 bitmask ([max rows, ceil(vocab / 
 backends) and applied to the logits (on their device) before any sampling parameter: for every row, or,
 where the sampler draws each row alone and checking pays (masks dear, or draws rarely refused), only for
 the rows whose unmasked draw the grammar refuses. The stop tokens are allowed only where the grammar accepts, so EOS ends a sequence only on
-a complete output.
+a complete output. With the engine's structured_outputs_thread on (CUDA's default), a step whose rows are
+all llguidance's and whose masks are not dear goes to the grammar thread (engine/grammar_thread.py): it
+takes the step's tokens as they reach the host and fills the next masks while the engine goes on.
 """
 
 from __future__ import annotations
@@ -28,14 +30,17 @@ import logging
 import os
 import re
 import time
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from pagedserve.engine.grammar_backends import CompiledGrammar, LLGuidanceBackend, MaskFiller, XgrammarBackend
+from pagedserve.engine.grammar_backends import (CompiledGrammar, LLGuidanceBackend, LLGuidanceMatcher, MaskFiller,
+                                                XgrammarBackend)
 from pagedserve.engine.grammar_step import CHECK_FIRST_SECONDS, CheckFirstPolicy, GrammarStats, GrammarStep
+from pagedserve.engine.grammar_thread import GrammarThread, place_masks
 from pagedserve.engine_config import STRUCTURED_OUTPUTS_BACKENDS
 from pagedserve.errors import RequestError
 from pagedserve.sample.grammar_mask import GrammarMask
@@ -84,10 +89,12 @@ class Grammars:
     ones), gives each sample its matcher, advances it, and fills the step's token masks."""
 
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: Sequence[int], max_rows: int,
-                 pin_memory: bool = False, check_first_seconds: float = CHECK_FIRST_SECONDS, backend: str = "auto"):
+                 pin_memory: bool = False, check_first_seconds: float = CHECK_FIRST_SECONDS, backend: str = "auto",
+                 thread: bool = False):
         """check_first_seconds: the host time a step's masks may cost before rows that sample plainly check
         their draws first (engine/grammar_step.py's CheckFirstPolicy; 0: always check). backend: the
-        engine's structured_outputs_backend (see backend_order)."""
+        engine's structured_outputs_backend (see backend_order). thread: steps whose rows are all under
+        llguidance take their tokens and fill their masks on the grammar thread (engine/grammar_thread.py)."""
         if backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, "
                              f"not {backend!r}")
@@ -102,6 +109,9 @@ class Grammars:
         self._llguidance: Optional[LLGuidanceBackend | str] = None  # or why llguidance cannot be used
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._bitmask: Optional[torch.Tensor] = None
+        words = (vocab_size + 31) // 32
+        self._thread = GrammarThread(max_rows, words, pin_memory) if thread else None
+        self._thread_takes: set[int] = set()  # id() of the matchers whose latest step's tokens the thread takes
         self._filler = MaskFiller(min(os.cpu_count() or 1, _FILL_THREADS))
         self._ended: list[tuple[object, object]] = []  # (request, sample) whose grammar terminated
         self.stats = GrammarStats()
@@ -183,11 +193,15 @@ class Grammars:
         compiled = self.compile(spec)
         for sample in request.samples:
             sample.grammar = compiled.new_matcher()
+            if isinstance(sample.grammar, LLGuidanceMatcher):  # the grammar thread reports it ended by it
+                sample.grammar.owner = (weakref.ref(request), weakref.ref(sample))
 
     def accept(self, request, sample, token: int) -> None:
         """Advances the sample's matcher; one that terminates (its stop token accepted) or refuses the
         token ends the sample at take_ended()."""
         matcher = sample.grammar
+        if id(matcher) in self._thread_takes:
+            return  # the grammar thread takes it
         if not matcher.accept_token(token) or matcher.is_terminated():
             self._ended.append((request, sample))
 
@@ -203,24 +217,67 @@ class Grammars:
         return ended
 
     def step(self, matchers: list[tuple[int, object]]) -> Optional[GrammarStep]:
-        """The grammars of a step's (logits row, matcher) pairs for the sampler; None when there are none."""
+        """The grammars of a step's (logits row, matcher) pairs for the sampler; None when there are none.
+        Called once a step, after the last step's tokens were recorded."""
+        self._thread_takes = set()
         if not matchers:
             return None
-        return GrammarStep(self.fill, matchers, self.stats, self.policy)
+        # The thread's masks cost the engine's thread little, so it takes every step it can keep up with: its
+        # rows all llguidance's, their masks not dear (strings of bounded length are: checking draws pays there).
+        if (self._thread is not None and not self.policy.dear(len(matchers))
+                and all(isinstance(m, LLGuidanceMatcher) for _, m in matchers)):
+            return GrammarStep(self.fill, matchers, self.stats, self.policy, False, self._drawn)
+        self.settle()  # the thread's last job moved some of these matchers: it ends before this thread reads them
+        return GrammarStep(self.fill, matchers, self.stats, self.policy, self.policy.decide(len(matchers)))
+
+    def _drawn(self, matchers: list[tuple[int, object]], pending) -> None:
+        """The step's plain draw is queued: its tokens go to the grammar thread, not through accept()."""
+        self._thread_takes = {id(m) for _, m in matchers}
+        self._thread.submit(list(matchers), pending)
 
     def fill(self, matchers: list[tuple[int, object]]) -> Optional[GrammarMask]:
         """The mask of these (logits row, matcher) pairs; None when none needs one (all terminated)."""
         start = time.perf_counter()
+        if self._thread is None:
+            bitmask, placed, todo = self._host_bitmask(), [], matchers
+        else:  # the thread's job first: it moved these matchers and filled most masks
+            job = self._thread.settle()
+            self._note_job(job)
+            bitmask, placed, todo = place_masks(job, matchers, self._thread.buffer())
+        live = [(row, matcher) for row, matcher in todo if not matcher.is_terminated()]
+        self._filler.fill(live, bitmask)
+        rows = placed + [row for row, _ in live]
+        self.stats.mask_seconds += time.perf_counter() - start
+        self.stats.rows_filled += len(live)
+        return GrammarMask(bitmask, rows) if rows else None
+
+    def _host_bitmask(self) -> torch.Tensor:
         if self._bitmask is None:
             words = (self.vocab_size + 31) // 32
             self._bitmask = torch.full((self._max_rows, words), -1, dtype=torch.int32,
                                        pin_memory=self._pin)
-        live = [(row, matcher) for row, matcher in matchers if not matcher.is_terminated()]
-        self._filler.fill(live, self._bitmask)
-        rows = [row for row, _ in live]
-        self.stats.mask_seconds += time.perf_counter() - start
-        self.stats.rows_filled += len(rows)
-        return GrammarMask(self._bitmask, rows) if rows else None
+        return self._bitmask
+
+    def _note_job(self, job) -> None:
+        """A settled job's cost and the samples whose grammar it ended (stopped at take_ended())."""
+        if job is None:
+            return
+        self.stats.thread_seconds += job.seconds
+        self.stats.rows_filled += len(job.live)
+        self.policy.note_fill(len(job.live), job.fill_seconds)  # masks dear enough to check draws first: not here
+        for matcher in job.ended:
+            request, sample = (ref() for ref in matcher.owner)
+            if request is not None and sample is not None:
+                self._ended.append((request, sample))
+
+    def settle(self) -> None:
+        """The grammar thread's job done and noted (its matchers the engine's again)."""
+        if self._thread is not None:
+            self._note_job(self._thread.settle())
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.close()
 
 
 def _first_line(err: Exception) -> str:

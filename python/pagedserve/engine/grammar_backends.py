@@ -196,6 +196,7 @@ class LLGuidanceMatcher:
 
     def __init__(self, matcher):
         self._matcher = matcher
+        self.owner: Optional[tuple] = None  # weak references to its (request, sample): Grammars.attach
 
     @property
     def raw(self):

@@ -52,9 +52,12 @@ class CheckFirstPolicy:
             return not check
         return check
 
+    def dear(self, rows: int) -> bool:
+        """Whether `rows` masks would cost more than the threshold, at the last measured cost."""
+        return rows * (self.row_fill_seconds or 0.0) >= self.threshold
+
     def prefers_check(self, rows: int) -> bool:
-        dear = rows * (self.row_fill_seconds or 0.0) >= self.threshold
-        return dear or (self.refusing is not None and self.refusing < REFUSING)
+        return self.dear(rows) or (self.refusing is not None and self.refusing < REFUSING)
 
     def note_fill(self, rows: int, seconds: float) -> None:
         """A step filled all its `rows` masks in `seconds`."""
@@ -72,7 +75,8 @@ class GrammarStats:
     """Host time and rows of the structured-output masks, summed over the engine's life (the benchmarks
     read them)."""
 
-    mask_seconds: float = 0.0  # filling masks
+    mask_seconds: float = 0.0  # filling masks (with the grammar thread: waiting for its masks and placing them)
+    thread_seconds: float = 0.0  # the grammar thread's accepts and masks (engine/grammar_thread.py)
     check_seconds: float = 0.0  # checking drawn tokens (GrammarStep.refused)
     rows_filled: int = 0  # masks filled
     rows_checked: int = 0  # drawn tokens checked
@@ -82,22 +86,37 @@ class GrammarStats:
 class GrammarStep:
     """A step's (logits row, matcher) pairs: the token mask of every constrained row or of some rows only
     (`mask`), which rows' drawn tokens the grammars refuse (`refused`), and whether checking draws first
-    is expected to pay (`check_first`). The sampler's sample.grammar_mask.MaskSource."""
+    is expected to pay (`check_first`). The sampler's sample.grammar_mask.MaskSource.
+
+    With `drawn` (the grammar thread takes the step: engine/grammar_thread.py) the masks are filling
+    elsewhere: a plain draw is `deferred` until just before the next forward, and once queued it is
+    handed to `drawn(pairs, pending)` so the thread takes its tokens as they reach the host. Such a
+    step fills every mask: where checking draws first pays (CheckFirstPolicy, fed the thread's costs too),
+    the step is not the thread's."""
 
     def __init__(self, fill: Callable[[list], Optional[GrammarMask]], matchers: list[tuple[int, object]],
-                 stats: GrammarStats, policy: CheckFirstPolicy):
+                 stats: GrammarStats, policy: CheckFirstPolicy, check_first: bool, drawn: Optional[Callable] = None):
+        """check_first: the policy's decision for this step (policy.decide); `drawn` only where it is False."""
         self._fill = fill
         self._matchers = matchers
         self._stats = stats
         self._policy = policy
-        self.check_first = policy.decide(len(matchers))
+        self._drawn = drawn
+        self.deferred = drawn is not None
+        self.check_first = check_first
+
+    def drawn(self, pending) -> None:
+        """The step's deferred draw is queued (`pending`, its PendingSamples)."""
+        if self._drawn is not None:
+            self._drawn(self._matchers, pending)
 
     def mask(self, rows: Optional[Sequence[int]] = None) -> Optional[GrammarMask]:
         """The mask of the constrained rows (of those among `rows`, if given); None when none needs one."""
         if rows is None:
             start = time.perf_counter()
             mask = self._fill(self._matchers)
-            self._policy.note_fill(len(self._matchers), time.perf_counter() - start)
+            if not self.deferred:  # waiting for the thread is not what a mask costs
+                self._policy.note_fill(len(self._matchers), time.perf_counter() - start)
             return mask
         wanted = set(rows)
         return self._fill([(row, m) for row, m in self._matchers if row in wanted])

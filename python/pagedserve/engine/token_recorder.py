@@ -45,7 +45,9 @@ class TokenRecorder:
 
     def record(self, out, sampled: SamplerOutput, result, now: float) -> None:
         """The step's tokens that update() or commit() accepted onto their samples (`now`: when they reached
-        the host); `result`'s forks and finishes onto the sequences."""
+        the host); `result`'s forks and finishes onto the sequences. Grammars the grammar thread ended
+        since the last record end their sequences first: this step's tokens came after their end."""
+        self._stop_ended_grammars()
         children = {}
         for f in result.forks:
             request, _ = self._sequences[f.parent]
@@ -63,6 +65,9 @@ class TokenRecorder:
         self.num_generation_tokens_total += k
         for f in result.finished:
             self.changed(self._sequences.ended(f.seq_id, f.reason, f.stop_token))
+        self._stop_ended_grammars()
+
+    def _stop_ended_grammars(self) -> None:
         for request, sample in self._grammars.take_ended():  # a grammar that terminated ends its sequence
             self._sequences.stop(sample)
             self.changed(request)

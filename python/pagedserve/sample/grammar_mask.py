@@ -38,6 +38,10 @@ class MaskSource(Protocol):
     `grammar` argument where it may check its draws before masking."""
 
     check_first: bool  # whether checking draws before masking is expected to pay
+    deferred: bool  # whether the masks fill elsewhere, so a plain draw may be queued once they are in
+
+    def drawn(self, pending) -> None:
+        """A deferred draw was queued (its PendingSamples): its tokens may be taken as they arrive."""
 
     def mask(self, rows: Optional[Sequence[int]] = None) -> Optional[GrammarMask]:
         """The mask of every constrained row, or of those among `rows`; None when none needs one."""

@@ -19,75 +19,23 @@ device-to-host copy.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from pagedserve import ops
 from pagedserve.sample.grammar_mask import GrammarMask, apply_mask
+from pagedserve.sample.pending import PendingSamples, SampleLogprobs, SamplerOutput
 from pagedserve.sample.sampling_ops import (apply_logits_processors, apply_min_p_, apply_min_tokens,
                                             apply_penalties, apply_top_k_top_p_, exponential_race)
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sample.sampling_tensors import SamplingBatch, SamplingRow, build_sampling_batch
 
-__all__ = ["Sampler", "SamplerOutput", "SampleLogprobs", "SamplingRow"]
+__all__ = ["PendingSamples", "Sampler", "SamplerOutput", "SampleLogprobs", "SamplingRow"]
 
 # An odd 64-bit constant (the golden ratio's fraction) that spreads fork seeds apart.
 _FORK_SEED_STRIDE = 0x9E3779B97F4A7C15
-
-
-@dataclass
-class SampleLogprobs:
-    """Log-probabilities of one sampled token under the raw model distribution."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 + the number of tokens strictly more likely than the sampled one
-    top: list[tuple[int, float]]  # the row's top-N (token id, logprob), most likely first
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]  # sum(num_samples) ids, row-major: row 0's samples first
-    logprobs: Optional[list[Optional[SampleLogprobs]]]  # per sample; None: nobody asked
-
-
-class PendingSamples:
-    """Sampled ids on their way to the host: one non-blocking copy into pinned
-    memory, so the caller can do host work while the device finishes the step."""
-
-    def __init__(self, host: Optional[torch.Tensor], event, finish: Callable[[np.ndarray], SamplerOutput],
-                 output: Optional[SamplerOutput] = None, device_ids: Optional[torch.Tensor] = None):
-        self._host, self._event, self._finish, self._output = host, event, finish, output
-        self.prompt_logprobs: Optional["PendingSamples"] = None  # the step's prompt logprobs (model runner)
-        # The sampled ids where the device left them, one per sample (int32): the next step's inputs when the
-        # engine runs ahead (StepInputs.prepare). None where a draw may still change on the host.
-        self.device_ids = device_ids
-
-    @classmethod
-    def ready(cls, output: SamplerOutput) -> "PendingSamples":
-        return cls(None, None, lambda host: output, output)
-
-    @classmethod
-    def copy(cls, device_ints: torch.Tensor, finish: Callable[[np.ndarray], SamplerOutput],
-             device_ids: Optional[torch.Tensor] = None) -> "PendingSamples":
-        """The single device-to-host copy of a step's results (`device_ids`: see __init__)."""
-        if device_ints.device.type != "cuda":
-            return cls(device_ints, None, finish, device_ids=device_ids)
-        host = torch.empty(device_ints.shape, dtype=device_ints.dtype, pin_memory=True)
-        host.copy_(device_ints, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(host, event, finish, device_ids=device_ids)
-
-    def result(self) -> SamplerOutput:
-        if self._output is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._output = self._finish(self._host.numpy())
-        return self._output
 
 
 class Sampler:
@@ -126,14 +74,16 @@ class Sampler:
         """Queues the sampling on the logits' device; result() waits for the ids on the host.
         `grammar` (optional): the structured-output token bitmask, applied before any sampling parameter
         (on a copy: the caller's logits stay unmodified), as a filled sample.grammar_mask.GrammarMask or a
-        MaskSource to fill it from (where every row samples plainly and the source says checking pays,
-        only the rows whose unmasked draw it refuses get a mask: _launch_gumbel_max)."""
+        MaskSource to fill it from (where every row samples plainly, the draw waits for masks filling
+        elsewhere when the source says so (its `deferred`), and where it says checking pays, only the rows
+        whose unmasked draw it refuses get a mask: _launch_gumbel_max)."""
         self._check_inputs(logits, rows)
         logits = logits[:, :self.vocab_size]
         if not rows:
             return PendingSamples.ready(SamplerOutput(token_ids=[], logprobs=None))
         plain = self._is_plain_temperature(rows)
-        if grammar is not None and not isinstance(grammar, GrammarMask) and not (plain and grammar.check_first):
+        if (grammar is not None and not isinstance(grammar, GrammarMask)
+                and not (plain and (grammar.check_first or grammar.deferred))):
             grammar = grammar.mask()  # every constrained row's mask, now
         if plain:  # a grammar's mask goes into the same pass
             return self._launch_gumbel_max(logits, rows, grammar)
@@ -198,8 +148,10 @@ class Sampler:
         read by the same pass (no masked float32 copy of the logits, no second kernel: on an H200 host
         those were ~0.25 ms a step of a JSON-constrained batch, bench/results/h200/session11.md).
 
-        Given a MaskSource (launch passes one only where checking pays), the pass runs unmasked, and
-        the rows whose token the grammar refuses run it again under their masks with the same seed.
+        Given a MaskSource whose masks fill elsewhere (its `deferred`), the pass is queued once they are
+        in (PendingSamples.deferred: by the engine, just before the next forward, which reads its ids on
+        the device). Given one where checking pays, the pass runs unmasked, and the rows whose token the
+        grammar refuses run it again under their masks with the same seed.
         Exact: a row's noise depends on (seed, row, token) only, so an accepted token beat every other
         token, the allowed ones included, and is what the masked pass draws too (ties go to the lowest
         id in both)."""
@@ -207,16 +159,27 @@ class Sampler:
                              dtype=torch.float32).to(logits.device, non_blocking=True)
         logits, seed = logits.contiguous(), self._step_seeds.getrandbits(64)
 
-        def draw(mask: Optional[GrammarMask]) -> torch.Tensor:
-            out = torch.empty(len(rows), dtype=torch.int32, device=logits.device)
+        def draw(mask: Optional[GrammarMask], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            out = torch.empty(len(rows), dtype=torch.int32, device=logits.device) if out is None else out
             allowed = None if mask is None else mask.allowed(len(rows), logits.device)
             ops.sample_tokens(out, logits, inv_t, seed, allowed)
             return out
 
+        def ids(host: np.ndarray) -> SamplerOutput:
+            return SamplerOutput(token_ids=host.tolist(), logprobs=None)
+
         if grammar is None or isinstance(grammar, GrammarMask):
             drawn = draw(grammar)
-            return PendingSamples.copy(drawn, lambda host: SamplerOutput(token_ids=host.tolist(), logprobs=None),
-                                       device_ids=drawn)
+            return PendingSamples.copy(drawn, ids, device_ids=drawn)
+        if grammar.deferred:
+            out = torch.empty(len(rows), dtype=torch.int32, device=logits.device)
+
+            def queue() -> PendingSamples:
+                with torch.inference_mode():  # queued outside the runner's step, like result()
+                    queued = PendingSamples.copy(draw(grammar.mask(), out), ids, device_ids=out)
+                grammar.drawn(queued)
+                return queued
+            return PendingSamples.deferred(queue, out)
 
         def checked(host: np.ndarray) -> SamplerOutput:
             token_ids = host.tolist()

@@ -1,0 +1,176 @@
+"""The grammar thread (engine/grammar_thread.py) against the engine's own thread: the same tokens, texts and
+finish reasons for greedy requests under llguidance grammars, with steps run ahead, rows joining and
+leaving, xgrammar rows beside them (those steps keep the engine's thread), stop strings, a grammar that
+ends its sequence with EOS ignored, preemptions in a small pool and an abort; every block back after.
+
+The thread takes a step's tokens as they reach the host, has each matcher consume its token and fills
+the next masks while the engine records and schedules; the draw that needs them is queued before the
+next forward. On the CPU nothing overlaps, but the code is the one CUDA runs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams, StructuredOutputsParams, _core
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+FRUITS = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 2, "maxItems": 4}
+
+
+def workload() -> tuple[list[str], list[SamplingParams]]:
+    prompts, params = [], []
+    for i in range(14):
+        kind = i % 7
+        schema = PERSON if i % 2 else FRUITS
+        so = StructuredOutputsParams(json=schema, disable_any_whitespace=i % 3 == 0)
+        p = dict(structured_outputs=so, max_tokens=20 + 3 * i, temperature=0.0)
+        if kind == 1:
+            p.update(stop=['",'])  # a stop string ends it mid-grammar, found on the host a step later
+        elif kind == 2:
+            p.update(structured_outputs=None)  # unconstrained rows in the same steps
+        elif kind == 3:
+            p.update(ignore_eos=True, max_tokens=80)  # the grammar, not the scheduler, ends it at EOS
+        elif kind == 4 and i < 7:
+            # xgrammar's (a choice): the steps it is in keep the engine's thread
+            p.update(structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"]), max_tokens=4)
+        prompts.append(f"Describe person {i} as JSON:" if i % 2 else f"List {i} fruits as JSON:")
+        params.append(SamplingParams(**p))
+    return prompts, params
+
+
+def outcome(output) -> tuple:
+    c = output.outputs[0]
+    return list(c.token_ids), c.text, c.finish_reason, c.stop_reason
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and _core.has_cuda else [])
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def engines(request, default_model_path):
+    # CPU: 20 blocks of 16 tokens for 14 requests of up to ~100 tokens: preemptions while they run. CUDA: the
+    # loops' batches differ, so products must not depend on the batch (batch_invariant, whole prompts, no
+    # prefix cache, the default pool; as tests_py/test_async_scheduling.py).
+    if request.param == "cpu":
+        setting = dict(num_kv_blocks=20)
+    else:
+        setting = dict(batch_invariant=True, enable_prefix_caching=False, max_num_batched_tokens=2048,
+                       gpu_memory_utilization=0.2)
+    options = dict(model=str(default_model_path), device=request.param, max_model_len=256, max_num_seqs=16,
+                   **setting)
+    made = {name: LLM(**options, async_scheduling=ahead, structured_outputs_thread=thread)
+            for name, ahead, thread in (("thread", "on", "on"), ("ahead", "on", "off"), ("plain", "off", "off"))}
+    # The thread takes the steps whose masks are not dear; on a 2-core CPU it shares the cores with the forward,
+    # and a step's masks may look dear there: the tests pin the choice.
+    made["thread"].llm_engine.grammars.policy.threshold = float("inf")
+    yield made
+    for llm in made.values():
+        llm.shutdown()
+
+
+def test_same_outputs_on_the_grammar_thread(engines):
+    prompts, params = workload()
+    results = {name: [outcome(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+               for name, llm in engines.items()}
+    for i, want in enumerate(results["plain"]):
+        assert results["thread"][i] == want, f"request {i} ({params[i]})"
+        assert results["ahead"][i] == want, f"request {i} ({params[i]})"
+    thread = engines["thread"].llm_engine
+    assert thread.grammars.stats.thread_seconds > 0  # the thread took steps ...
+    assert thread.stats()["num_steps_run_ahead"] > engines["ahead"].llm_engine.stats()["num_steps_run_ahead"] + 10
+    if thread.worker.device.type == "cpu":
+        assert thread.stats()["num_preemptions"] > 0  # ... and the small pool preempted
+    for i, (tokens, text, reason, _) in enumerate(results["plain"]):
+        if params[i].ignore_eos and params[i].structured_outputs is not None:
+            assert reason == "stop" and len(tokens) < params[i].max_tokens  # the grammar ended it
+            json.loads(text)
+    for llm in engines.values():
+        assert llm.llm_engine.stats()["num_used_blocks"] == 0
+
+
+def test_sampled_outputs_hold_their_grammar_on_the_thread(engines):
+    llm = engines["thread"]
+    so = StructuredOutputsParams(json=PERSON)
+    outs = llm.generate([f"Person {i} as JSON:" for i in range(12)],
+                        SamplingParams(structured_outputs=so, temperature=1.0, max_tokens=60), use_tqdm=False)
+    for o in outs:
+        if o.outputs[0].finish_reason == "stop":
+            assert set(json.loads(o.outputs[0].text)) >= {"name", "age"}
+    assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= 6
+    assert llm.llm_engine.stats()["num_used_blocks"] == 0
+
+
+def test_abort_while_a_grammar_step_is_advanced(engines):
+    engine = engines["thread"].llm_engine
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=FRUITS), temperature=0.0, max_tokens=40)
+    for i in range(6):
+        engine.add_request(f"abort-{i}", f"List {i} fruits as JSON:", params, stream=False)
+    for _ in range(12):
+        engine.step()
+    assert engine.scheduler.has_advanced
+    finals = engine.abort_request(["abort-0", "abort-3"])
+    assert [f.outputs[0].finish_reason for f in finals] == ["abort", "abort"]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == ["abort-1", "abort-2", "abort-4", "abort-5"]
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in done.values())
+    assert engine.stats()["num_used_blocks"] == 0
+
+
+@pytest.mark.parametrize("kind", ["regex", "grammar"])
+def test_llguidance_kinds_on_the_thread(default_model_path, kind):
+    spec = (StructuredOutputsParams(regex=r"(yes|no), because [a-z ]{5,30}\.") if kind == "regex" else
+            StructuredOutputsParams(grammar='start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,4}/'))
+    prompts = [f"Question {i}: is this true? Answer:" for i in range(6)]
+    params = SamplingParams(structured_outputs=spec, temperature=0.0, max_tokens=40)
+    got = {}
+    for thread in ("on", "off"):
+        llm = LLM(model=str(default_model_path), device="cpu", max_model_len=256, async_scheduling="on",
+                  structured_outputs_backend="llguidance", structured_outputs_thread=thread)
+        llm.llm_engine.grammars.policy.threshold = float("inf")  # as in engines()
+        got[thread] = [outcome(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+        if thread == "on":
+            assert llm.llm_engine.grammars.stats.thread_seconds > 0
+        llm.shutdown()
+    assert got["on"] == got["off"]
+    assert all(reason == "stop" for _, _, reason, _ in got["on"])
+
+
+def test_which_steps_the_thread_takes(default_model_path):
+    from pagedserve.engine.grammar import Grammars
+
+    grammars = Grammars(default_model_path, 49152, [2], max_rows=8, thread=True)
+    json_ = grammars.compile(StructuredOutputsParams(json=PERSON))
+    assert json_.backend == "llguidance"
+    choice = grammars.compile(StructuredOutputsParams(choice=["yes", "no"]))  # xgrammar's
+    pairs = [(0, json_.new_matcher()), (1, json_.new_matcher())]
+    assert grammars.step(pairs).deferred and not grammars.step(pairs).check_first
+    assert not grammars.step(pairs + [(2, choice.new_matcher())]).deferred  # a row the thread cannot take
+    grammars.policy.row_fill_seconds = 1e-3  # 2 rows: 2 ms a step, the threshold: checking draws pays
+    assert not grammars.step(pairs).deferred
+    grammars.policy.row_fill_seconds = 1e-5
+    assert grammars.step(pairs).deferred
+    assert not Grammars(default_model_path, 49152, [2], max_rows=8).step(pairs).deferred  # no thread
+    grammars.close()
+
+
+def test_the_thread_is_on_where_steps_run_ahead():
+    from pagedserve.engine_config import EngineConfig, resolve_defaults
+
+    def thread(device: str, **options) -> str:
+        return resolve_defaults(EngineConfig(**options), device, 2048).structured_outputs_thread
+
+    assert thread("cuda") == "on"
+    assert thread("cpu") == "off"  # nothing overlaps there
+    assert thread("cuda", async_scheduling="off") == "off"
+    assert thread("cuda", tensor_parallel_size=2) == "off"  # the ranks run the plain order
+    assert thread("cpu", structured_outputs_thread="on") == "on"
+    assert thread("cuda", structured_outputs_thread="off") == "off"
