@@ -2,6 +2,7 @@
 for 64 requests unconstrained and under a JSON schema with the grammar thread on and off, interleaved.
 
     python bench/perf/probes/step_phases.py [--device cuda] [--rounds 2] [--max-tokens 128]
+    python bench/perf/probes/step_phases.py --quick --device cpu   # 4 requests, 8 tokens, one round: it runs
 
 A probe, not a benchmark: the wrappers add ~1 us a call. Phases nest (launch holds execute_async, which holds
 sampling_rows, which holds catch_up ...), so rows do not add up.
@@ -17,6 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from structured_bench import LONG_SCHEMA, PROMPT  # noqa: E402
+
+import torch  # noqa: E402
 
 TIMES: dict[str, float] = defaultdict(float)
 CALLS: dict[str, int] = defaultdict(int)
@@ -82,11 +85,14 @@ def instrument(engine) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="4 requests, 8 tokens, one round: checks the script works")
     args = ap.parse_args()
+    if args.quick:
+        args.num_requests, args.max_tokens, args.rounds = 4, 8, 1
     from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 
     llm = LLM(device=args.device, seed=0, structured_outputs_thread="on", async_scheduling="on")
