@@ -266,6 +266,8 @@ class Grammars:
         self.stats.rows_filled += len(job.live)
         self.policy.note_fill(len(job.live), job.fill_seconds)  # masks dear enough to check draws first: not here
         for matcher in job.ended:
+            if matcher.owner is None:  # made outside attach(): nothing to end
+                continue
             request, sample = (ref() for ref in matcher.owner)
             if request is not None and sample is not None:
                 self._ended.append((request, sample))

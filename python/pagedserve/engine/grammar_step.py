@@ -91,8 +91,8 @@ class GrammarStep:
     With `drawn` (the grammar thread takes the step: engine/grammar_thread.py) the masks are filling
     elsewhere: a plain draw is `deferred` until just before the next forward, and once queued it is
     handed to `drawn(pairs, pending)` so the thread takes its tokens as they reach the host. Such a
-    step fills every mask: where checking draws first pays (CheckFirstPolicy, fed the thread's costs too),
-    the step is not the thread's."""
+    step fills every mask, so where masks are dear (CheckFirstPolicy.dear, fed the thread's fill times
+    too) the step is not the thread's: checking draws first pays there."""
 
     def __init__(self, fill: Callable[[list], Optional[GrammarMask]], matchers: list[tuple[int, object]],
                  stats: GrammarStats, policy: CheckFirstPolicy, check_first: bool, drawn: Optional[Callable] = None):
