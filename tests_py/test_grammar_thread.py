@@ -174,3 +174,26 @@ def test_the_thread_is_on_where_steps_run_ahead():
     assert thread("cuda", tensor_parallel_size=2) == "off"  # the ranks run the plain order
     assert thread("cpu", structured_outputs_thread="on") == "on"
     assert thread("cuda", structured_outputs_thread="off") == "off"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_process_exits_cleanly_with_the_thread_running(default_model_path, device):
+    """The engine is not shut down: the thread (which on CUDA waited on the draws' events) must stop before
+    the interpreter finalizes. A daemon thread did not: the process aborted after its results on an H200."""
+    import subprocess
+    import sys
+
+    script = f"""
+from pagedserve import LLM, SamplingParams, StructuredOutputsParams
+llm = LLM(model={str(default_model_path)!r}, device={device!r}, max_model_len=256, async_scheduling="on",
+          structured_outputs_thread="on", gpu_memory_utilization=0.2)
+llm.llm_engine.grammars.policy.threshold = float("inf")
+so = StructuredOutputsParams(json={{"type": "array", "items": {{"type": "string"}}}})
+llm.generate(["List fruits as JSON:"] * 4, SamplingParams(structured_outputs=so, temperature=0.7, max_tokens=16),
+             use_tqdm=False)
+assert llm.llm_engine.grammars.stats.thread_seconds > 0
+print("generated")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "generated" in done.stdout and "terminate" not in done.stderr

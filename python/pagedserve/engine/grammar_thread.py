@@ -31,11 +31,9 @@ Only Grammars (engine/grammar.py) drives this class, on the engine's thread.
 
 from __future__ import annotations
 
-import queue
 import sys
-import threading
 import time
-import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional, Sequence
 
 import torch
@@ -60,18 +58,21 @@ class _Job:
         self.ended: list[object] = []  # matchers that refused their token or terminated
         self.seconds = 0.0  # consuming and filling, not waiting for the draw
         self.fill_seconds = 0.0  # filling alone
-        self.error: Optional[BaseException] = None
-        self.done = threading.Event()
+        self.future: Optional[Future] = None  # the pool's, once submitted
 
 
 class GrammarThread:
+    """The thread is concurrent.futures' one worker: at interpreter exit the pool stops and joins it
+    before finalization. (A daemon thread that had waited on a CUDA event was killed in finalization
+    instead: "terminate called without an active exception" on an H200 host, after the results.)"""
+
     def __init__(self, max_rows: int, words: int, pin_memory: bool):
         self._buffers = [torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin_memory)
                          for _ in range(_RING)]
         self._next_buffer = 0
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._executor = None  # llguidance's
         self._job: Optional[_Job] = None  # submitted, not settled
-        self._thread: Optional[threading.Thread] = None
 
     def buffer(self) -> torch.Tensor:
         """The next mask buffer of the ring (see _RING)."""
@@ -83,51 +84,40 @@ class GrammarThread:
         """Step's (row, matcher) pairs take their row's token from `pending` (a queued plain draw) and fill
         their next masks; the engine's thread must not touch these matchers until settle()."""
         self.settle()
-        if self._thread is None:
+        if self._pool is None:
             import llguidance
 
-            # The thread holds the queue and the executor, not this object: a GrammarThread nobody holds
-            # stops it (weakref.finalize), an engine not shut down included.
-            executor = llguidance.LLExecutor(num_threads=1)  # more were slower: MaskFiller
-            self._thread = threading.Thread(target=_serve, args=(self._jobs, executor), name="pagedserve-grammar",
-                                            daemon=True)
-            self._thread.start()
-            weakref.finalize(self, self._jobs.put, None)
+            self._executor = llguidance.LLExecutor(num_threads=1)  # more were slower: MaskFiller
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
         interval = sys.getswitchinterval()
         self._job = _Job(pairs, pending, self.buffer(), interval)
         sys.setswitchinterval(min(interval, SWITCH_INTERVAL))  # while the job runs: see the module's docstring
-        self._jobs.put(self._job)
+        self._job.future = self._pool.submit(_run, self._job, self._executor)
 
     def settle(self) -> Optional[_Job]:
         """Waits for the submitted job, if any, and returns it (its matchers are the caller's again)."""
         job, self._job = self._job, None
         if job is None:
             return None
-        job.done.wait()
-        if job.error is not None:
-            raise RuntimeError(f"the grammar thread failed: {job.error}") from job.error
+        try:
+            job.future.result()
+        except Exception as err:
+            raise RuntimeError(f"the grammar thread failed: {err}") from err
         return job
 
     def close(self) -> None:
         self.settle()
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
-def _serve(jobs: queue.SimpleQueue, executor) -> None:
-    """The grammar thread: one job after another, until a None."""
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        try:
-            _consume_and_fill(job, executor)
-        except BaseException as err:  # handed to the engine's thread by settle()
-            job.error = err
+def _run(job: _Job, executor) -> None:
+    """One job on the grammar thread; the process's GIL switch interval is back once it ends."""
+    try:
+        _consume_and_fill(job, executor)
+    finally:
         sys.setswitchinterval(job.interval)
-        job.done.set()
 
 
 def _consume_and_fill(job: _Job, executor) -> None:
