@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_helpers import finished_outputs
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams, _core
 
 SHARED_PREFIX = np.random.default_rng(3).integers(100, 30000, size=40).tolist()
@@ -130,11 +131,7 @@ def test_abort_while_a_step_is_advanced(engines):
     finals = engine.abort_request(["abort-0", "abort-3"])
     assert [f.outputs[0].finish_reason for f in finals] == ["abort", "abort"]
     assert len(finals[0].outputs[0].token_ids) == 5  # the advanced step's token was committed first
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = finished_outputs(engine)
     assert sorted(done) == ["abort-1", "abort-2", "abort-4", "abort-5"]
     assert all(len(o.outputs[0].token_ids) == 40 for o in done.values())
     assert engine.stats()["num_used_blocks"] == 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_helpers import finished_outputs
 from pagedserve.engine.engine import LLMEngine
 from pagedserve.engine.validation import EngineLimits, validate_request
 from pagedserve.errors import RequestError
@@ -23,15 +24,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "python" / "pagedserve"
 def engine(tiny_checkpoint):
     _, path = tiny_checkpoint()
     return LLMEngine(model=str(path), device="cpu", num_kv_blocks=16, block_size=4, max_num_seqs=4)
-
-
-def _run(engine: LLMEngine) -> dict:
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    return finals
 
 
 def _free_blocks(engine: LLMEngine) -> int:
@@ -109,14 +101,14 @@ def test_tokens_are_recorded_by_the_next_launch_and_an_abort_keeps_them(engine):
 def test_prefix_cache_hit_is_reported_as_cached_tokens(engine):
     prompt = list(range(10, 21))  # 11 tokens: two full blocks of 4 can be cached
     engine.add_request("first", prompt, SamplingParams(max_tokens=2, temperature=0))
-    assert _run(engine)["first"].num_cached_tokens == 0
+    assert finished_outputs(engine)["first"].num_cached_tokens == 0
     engine.add_request("second", prompt, SamplingParams(max_tokens=2, temperature=0))
-    assert _run(engine)["second"].num_cached_tokens == 8
+    assert finished_outputs(engine)["second"].num_cached_tokens == 8
     # 9 tokens: the cache holds 8, so the prefill is one token, scheduled among the decodes.
     engine.add_request("third", prompt[:9], SamplingParams(max_tokens=2, temperature=0))
     engine.add_request("busy", [7, 7, 7], SamplingParams(max_tokens=6, temperature=0))
     engine.step()
-    finals = _run(engine)
+    finals = finished_outputs(engine)
     assert finals["third"].num_cached_tokens == 8 and finals["third"].metrics.first_scheduled_time is not None
 
 
@@ -137,7 +129,7 @@ def test_snapshot_shows_the_block_map_and_queues(engine):
     snap = engine.snapshot()
     assert len(snap["block_states"]) == 16 and set(snap["block_states"]) <= set("0123")
     assert [r["id"] for r in snap["running"]] == ["a"] and snap["num_unfinished_requests"] == 1
-    _run(engine)
+    finished_outputs(engine)
 
 
 # ---------------------------------------------------------------------------- the KV plan and worst case
@@ -199,7 +191,7 @@ def test_a_prefill_warmup_leaves_the_engine_as_it_found_it(tiny_checkpoint):
         free = engine.stats()["num_free_blocks"]  # free or evictable
         engine.add_request("a", [5, 6, 7, 8, 9], params)
         engine.add_request("b", list(range(10, 30)), params)
-        finals = _run(engine)
+        finals = finished_outputs(engine)
         outputs.append({rid: ([c.token_ids for c in out.outputs], [c.logprobs for c in out.outputs])
                         for rid, out in finals.items()})
         assert engine.stats()["num_free_blocks"] == free

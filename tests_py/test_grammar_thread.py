@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 
+from engine_helpers import finished_outputs
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams, _core
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -115,11 +116,7 @@ def test_abort_while_a_grammar_step_is_advanced(engines):
     assert engine.scheduler.has_advanced
     finals = engine.abort_request(["abort-0", "abort-3"])
     assert [f.outputs[0].finish_reason for f in finals] == ["abort", "abort"]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = finished_outputs(engine)
     assert sorted(done) == ["abort-1", "abort-2", "abort-4", "abort-5"]
     assert all(o.outputs[0].finish_reason in ("stop", "length") for o in done.values())
     assert engine.stats()["num_used_blocks"] == 0
