@@ -109,8 +109,8 @@ class Grammars:
         self._llguidance: Optional[LLGuidanceBackend | str] = None  # or why llguidance cannot be used
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._bitmask: Optional[torch.Tensor] = None
-        words = (vocab_size + 31) // 32
-        self._thread = GrammarThread(max_rows, words, pin_memory) if thread else None
+        self._words = (vocab_size + 31) // 32  # a mask row's int32 words
+        self._thread = GrammarThread(max_rows, self._words, pin_memory) if thread else None
         self._thread_takes: set[int] = set()  # id() of the matchers whose latest step's tokens the thread takes
         self._filler = MaskFiller(min(os.cpu_count() or 1, _FILL_THREADS))
         self._ended: list[tuple[object, object]] = []  # (request, sample) whose grammar terminated
@@ -253,9 +253,7 @@ class Grammars:
 
     def _host_bitmask(self) -> torch.Tensor:
         if self._bitmask is None:
-            words = (self.vocab_size + 31) // 32
-            self._bitmask = torch.full((self._max_rows, words), -1, dtype=torch.int32,
-                                       pin_memory=self._pin)
+            self._bitmask = torch.full((self._max_rows, self._words), -1, dtype=torch.int32, pin_memory=self._pin)
         return self._bitmask
 
     def _note_job(self, job) -> None:

@@ -106,9 +106,8 @@ class GrammarStep:
         self.check_first = check_first
 
     def drawn(self, pending) -> None:
-        """The step's deferred draw is queued (`pending`, its PendingSamples)."""
-        if self._drawn is not None:
-            self._drawn(self._matchers, pending)
+        """The step's deferred draw is queued (`pending`, its PendingSamples); only a deferred step's."""
+        self._drawn(self._matchers, pending)
 
     def mask(self, rows: Optional[Sequence[int]] = None) -> Optional[GrammarMask]:
         """The mask of the constrained rows (of those among `rows`, if given); None when none needs one."""

@@ -81,9 +81,8 @@ class PendingSamples:
         return cls(host, event, finish, device_ids=device_ids)
 
     def host_ids(self) -> np.ndarray:
-        """The ids as they reach the host, without result()'s conversion: what a thread other than the
-        engine's may wait for (the wait drops the GIL). A queued plain draw only: its device result is
-        the ids alone."""
+        """What the device left, as it reaches the host, without result()'s conversion: what a thread other
+        than the engine's may wait for (the wait drops the GIL); a plain draw's ids alone."""
         if self._queue is not None:
             raise RuntimeError("the draw is not queued yet")
         if self._event is not None:
@@ -93,7 +92,5 @@ class PendingSamples:
     def result(self) -> SamplerOutput:
         self.launch()
         if self._output is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._output = self._finish(self._host.numpy())
+            self._output = self._finish(self.host_ids())
         return self._output
