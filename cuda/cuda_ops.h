@@ -139,4 +139,7 @@ void small_batch_linear(const TensorView& out, const TensorView& x, const Tensor
 void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
                    const TensorView& allowed, uint64_t seed, cudaStream_t stream);
 
+// Queues ops::wait_for_flag on the stream; flag: pinned host memory.
+void wait_for_flag(const TensorView& flag, int64_t target, double timeout_seconds, cudaStream_t stream);
+
 }  // namespace pagedserve::cuda

@@ -4,8 +4,8 @@ leaving, xgrammar rows beside them (those steps keep the engine's thread), stop 
 ends its sequence with EOS ignored, preemptions in a small pool and an abort; every block back after.
 
 The thread takes a step's tokens as they reach the host, has each matcher consume its token and fills
-the next masks while the engine records and schedules; the draw that needs them is queued before the
-next forward. On the CPU nothing overlaps, but the code is the one CUDA runs.
+the next masks while the engine records and schedules; the next draw, queued after its forward, waits for
+them on its device (ops.wait_for_flag). On the CPU nothing overlaps, but the code is the one CUDA runs.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def test_same_outputs_on_the_grammar_thread(engines):
         assert results["ahead"][i] == want, f"request {i} ({params[i]})"
     thread = engines["thread"].llm_engine
     assert thread.grammars.stats.thread_seconds > 0  # the thread took steps ...
+    assert thread.grammars.stats.steps_waited_on_device > 0  # ... and draws read its masks where they were
     assert thread.stats()["num_steps_run_ahead"] > engines["ahead"].llm_engine.stats()["num_steps_run_ahead"] + 10
     if thread.worker.device.type == "cpu":
         assert thread.stats()["num_preemptions"] > 0  # ... and the small pool preempted
@@ -149,13 +150,13 @@ def test_which_steps_the_thread_takes(default_model_path):
     assert json_.backend == "llguidance"
     choice = grammars.compile(StructuredOutputsParams(choice=["yes", "no"]))  # xgrammar's
     pairs = [(0, json_.new_matcher()), (1, json_.new_matcher())]
-    assert grammars.step(pairs).deferred and not grammars.step(pairs).check_first
-    assert not grammars.step(pairs + [(2, choice.new_matcher())]).deferred  # a row the thread cannot take
+    assert grammars.step(pairs).threaded and not grammars.step(pairs).check_first
+    assert not grammars.step(pairs + [(2, choice.new_matcher())]).threaded  # a row the thread cannot take
     grammars.policy.row_fill_seconds = 1e-3  # 2 rows: 2 ms a step, the threshold: checking draws pays
-    assert not grammars.step(pairs).deferred
+    assert not grammars.step(pairs).threaded
     grammars.policy.row_fill_seconds = 1e-5
-    assert grammars.step(pairs).deferred
-    assert not Grammars(default_model_path, 49152, [2], max_rows=8).step(pairs).deferred  # no thread
+    assert grammars.step(pairs).threaded
+    assert not Grammars(default_model_path, 49152, [2], max_rows=8).step(pairs).threaded  # no thread
     grammars.close()
 
 
@@ -194,3 +195,26 @@ print("generated")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "generated" in done.stdout and "terminate" not in done.stderr
+
+
+def test_a_steady_batch_does_not_wait_for_its_masks_on_the_host(default_model_path):
+    """Eight requests of one schema and length, so the rows stay put: after the first steps every draw
+    reads the job's masks where the thread left them (the device, here the CPU op, waits for them), and the
+    engine's thread settles a job only to record its tokens (the newest job stays in flight)."""
+    llm = LLM(model=str(default_model_path), device="cpu", max_model_len=256, async_scheduling="on",
+              structured_outputs_thread="on", max_num_seqs=8)
+    grammars = llm.llm_engine.grammars
+    grammars.policy.threshold = float("inf")  # as in engines()
+    so = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}})
+    params = SamplingParams(structured_outputs=so, temperature=0.8, max_tokens=24, ignore_eos=True, seed=None)
+    outs = llm.generate([f"List {i} numbers as JSON:" for i in range(8)], params, use_tqdm=False)
+    steps = grammars.stats.steps_waited_on_device
+    assert steps >= 15, steps  # 24 tokens: the first draws (no job yet) and the tail fill on the host
+    for o in outs:  # the grammar ends a sequence at its end (EOS ignored), or 24 tokens do
+        c = o.outputs[0]
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.text), list)
+        else:
+            assert len(c.token_ids) == 24
+    assert llm.llm_engine.stats()["num_used_blocks"] == 0
+    llm.shutdown()

@@ -161,6 +161,10 @@ void bind_ops(py::module_& m) {
                    "bitmask of the eligible tokens.",
                    py::arg("out"), py::arg("logits"), py::arg("inv_temperature"), py::arg("allowed").none(true),
                    py::arg("seed"), stream);
+  def_op<kRelease>(m, "wait_for_flag", &OnHost<&ops::wait_for_flag>::call,
+                   "Waits until flag[0] >= target (an int64 [2] another thread raises); after timeout_seconds sets "
+                   "flag[1] = 1 and returns (see cpp/ops/ops.h).",
+                   py::arg("flag"), py::arg("target"), py::arg("timeout_seconds"), stream);
 
   // CPU only.
   def_op<kRelease>(m, "rope_cos_sin_cache", &rope_cos_sin_cache,

@@ -414,4 +414,12 @@ void check_sample_tokens(Device device, const TensorView& out, const TensorView&
   a.size("allowed", allowed, 1, token_mask_words(logits.size(1)));
 }
 
+void check_wait_for_flag(const TensorView& flag, double timeout_seconds) {
+  Args a("wait_for_flag", Device::kCPU);  // the flag is host memory for the CUDA op too
+  a.of("flag", flag, 1, DType::kInt64);
+  PS_REQUIRE(flag.size(0) >= 2 && flag.is_contiguous(), a.op(),
+             "flag must be a contiguous int64 tensor of at least 2 elements, got " + flag.describe());
+  PS_REQUIRE(timeout_seconds > 0, a.op(), "timeout_seconds must be positive, got " + std::to_string(timeout_seconds));
+}
+
 }  // namespace pagedserve::ops

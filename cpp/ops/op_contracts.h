@@ -105,6 +105,10 @@ void check_qkv_linear_rope_cache(Device device, const TensorView& query_out, con
 void check_sample_tokens(Device device, const TensorView& out, const TensorView& logits,
                          const TensorView& inv_temperature, const TensorView& allowed);
 
+// wait_for_flag: flag int64 [>= 2], contiguous, on the host (pinned memory for the CUDA op, which checks
+// that itself) on either device; timeout_seconds > 0.
+void check_wait_for_flag(const TensorView& flag, double timeout_seconds);
+
 // ---------------------------------------------------------------------------
 // The rules contracts are made of (beside tensor_view.h's require_*).
 

@@ -180,6 +180,15 @@ void packed_grouped_linear(const TensorView& out, const TensorView& x, const Ten
 void sample_tokens(const TensorView& out, const TensorView& logits, const TensorView& inv_temperature,
                    const TensorView& allowed, uint64_t seed);
 
+// Waits until flag[0] >= target: a host thread's signal that data it writes
+// into pinned memory (the grammar thread's token masks) is complete, so what
+// the caller queues next may read it. flag: int64 [2] on the host; flag[0] only
+// ever grows. After timeout_seconds without it, sets flag[1] = 1 and returns
+// (the caller reports the failure; a GPU stream must not hang on a dead thread).
+// The CUDA op queues the same wait on the caller's stream (one thread polls the
+// pinned flag), so the device, not the host, waits.
+void wait_for_flag(const TensorView& flag, int64_t target, double timeout_seconds);
+
 // Threads the ops may use (default: hardware concurrency). Small problems run inline.
 void set_num_threads(int num_threads);
 int num_threads();

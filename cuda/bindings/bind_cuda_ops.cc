@@ -129,6 +129,10 @@ void bind_cuda_ops(py::module_& m) {
                 "Gumbel-max sampling of one token per row (see cpp/ops/ops.h).",
                 py::arg("out"), py::arg("logits"), py::arg("inv_temperature"), py::arg("allowed").none(true),
                 py::arg("seed"), stream);
+  def_op<kHold>(m, "wait_for_flag", &cuda::wait_for_flag,
+                "The stream waits until flag[0] >= target (a pinned int64 [2] the host raises); after timeout_seconds "
+                "it sets flag[1] = 1 and goes on (see cpp/ops/ops.h).",
+                py::arg("flag"), py::arg("target"), py::arg("timeout_seconds"), stream);
 
   m.def("prefill_attention_kernel", &cuda::prefill_attention_kernel, py::arg("head_dim"),
         "The kernel prefill rows of this head dim (float16 / bfloat16) run on here: \"wgmma\" or \"mma.sync\".");

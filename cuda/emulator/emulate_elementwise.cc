@@ -1,5 +1,9 @@
 // The elementwise ops and cache writers on the emulator against the CPU ops:
 // most are bit-identical, all within the dtype's tolerance.
+#include <atomic>
+#include <chrono>
+#include <thread>
+
 #include "emu_check.h"
 
 namespace emu_check {
@@ -247,7 +251,35 @@ void cache_cases(DType dt) {
 
 }  // namespace
 
+// wait_for_flag: the kernel returns once the flag reaches its target (raised by another thread meanwhile,
+// as the grammar thread does), and gives up after its timeout with flag[1] set, as the CPU op does.
+void wait_for_flag_cases() {
+  for (const bool raise : {true, false}) {
+    Tensor gpu_flag(DType::kInt64, {2}), cpu_flag(DType::kInt64, {2});
+    for (Tensor* flag : {&gpu_flag, &cpu_flag}) {
+      auto* words = static_cast<int64_t*>(flag->data());
+      words[0] = 0;
+      words[1] = 0;
+      std::thread raiser([words, raise] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        if (raise) std::atomic_ref<int64_t>(words[0]).store(5);
+      });
+      if (flag == &gpu_flag) {
+        gpu::wait_for_flag(flag->cpu(), 5, raise ? 10.0 : 0.005, nullptr);
+      } else {
+        cpu::wait_for_flag(flag->cpu(), 5, raise ? 10.0 : 0.005);
+      }
+      raiser.join();
+    }
+    const auto* g = static_cast<int64_t*>(gpu_flag.data());
+    const auto* c = static_cast<int64_t*>(cpu_flag.data());
+    const bool expected = raise ? g[1] == 0 && c[1] == 0 : g[1] == 1 && c[1] == 1 && g[0] == 0;
+    report(std::string("wait_for_flag ") + (raise ? "raised" : "timed out"), expected && g[1] == c[1]);
+  }
+}
+
 void elementwise_cases() {
+  wait_for_flag_cases();
   for (DType dt : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     norm_cases(dt);
     torch_order_norm_cases(dt);

@@ -1,7 +1,7 @@
 """Writes host-compilable copies of cuda/*.cu, *.cuh, *.h into an output directory.
 
 The copies differ from the originals only where the host cannot follow:
-mma.cuh, wgmma.cuh, mbarrier.cuh and dependent_launch.cuh become their emulator stand-ins, each kernel<<<grid, block, smem, stream>>>(args)
+mma.cuh, wgmma.cuh, mbarrier.cuh, dependent_launch.cuh and host_wait.cuh become their emulator stand-ins, each kernel<<<grid, block, smem, stream>>>(args)
 becomes emu::launch(grid, block, smem, [&] { kernel(args); }), and shared
 arrays become the emulator's (dynamic) or function statics (static).
 """
@@ -13,7 +13,7 @@ import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
 STAND_INS = {"mma.cuh": "mma_emu.cuh", "wgmma.cuh": "wgmma_emu.cuh", "mbarrier.cuh": "mbarrier_emu.cuh",
-             "dependent_launch.cuh": "dependent_launch_emu.cuh"}
+             "dependent_launch.cuh": "dependent_launch_emu.cuh", "host_wait.cuh": "host_wait_emu.cuh"}
 LAUNCH = re.compile(r"(\b[\w:]+(?:<[^<>;]*>)?)\s*<<<(.*?)>>>\s*\((.*?)\);", re.DOTALL)
 
 

@@ -29,7 +29,7 @@ __all__ = [
     "qkv_linear_rope_cache", "MAX_SMALL_BATCH_ROWS", "set_num_threads", "num_threads", "cpu_isa", "sample_tokens",
     "pack_linear_weight", "packed_linear", "packed_linear_bf16", "packed_linear_float64_sums", "cpu_kernels",
     "Int8Weight", "quantize_int8_weight", "int8_linear", "pack_grouped_weight", "packed_grouped_linear", "gguf_linear",
-    "gguf_dequantize_rows", "gguf_interleave",
+    "gguf_dequantize_rows", "gguf_interleave", "wait_for_flag",
 ]
 
 
@@ -227,6 +227,18 @@ def sample_tokens(out: torch.Tensor, logits: torch.Tensor, inv_temperature: torc
     kernels, stream = _backend(logits)
     kernels.sample_tokens(_dl(out), _dl(logits), _dl(inv_temperature), None if allowed is None else _dl(allowed),
                           seed, stream)
+
+
+def wait_for_flag(flag: torch.Tensor, target: int, device: torch.device, timeout_seconds: float = 60.0) -> None:
+    """Until flag[0] >= target (an int64 [2] host tensor another thread raises): on a CUDA `device` the
+    current stream waits (flag pinned; the host goes on), on the CPU the calling thread (the GIL dropped).
+    After timeout_seconds flag[1] becomes 1 and the wait ends: the caller reports it."""
+    if device.type == "cuda":
+        kernels, stream = _core.cuda_ops, _raw_stream(device.index if device.index is not None else
+                                                      torch.cuda.current_device())
+    else:
+        kernels, stream = _cpu_ops, _HOST_STREAM
+    kernels.wait_for_flag(_dl(flag), target, timeout_seconds, stream)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -26,10 +26,9 @@ are committed (C++: EOS, stop ids, max_tokens, as update() applies them) and
 recorded, and only then are the new step's sampling rows and grammar masks
 built, so penalties, min_tokens and grammars see every token (a step with
 prompt logprobs, or with grammar rows the grammar thread does not take, is not
-itself run ahead: _may_run_ahead). A plain draw under the grammar thread's
-masks (engine/grammar_thread.py) is queued once they are in, just before the
-next forward: they fill there while this thread records, emits and schedules.
-The device no
+itself run ahead: _may_run_ahead). The grammar thread (engine/grammar_thread.py)
+fills the next masks from the step's tokens while this thread records, emits
+and schedules; the device waits for them before the next draw. The device no
 longer waits for scheduling and input copies between steps; a row whose
 sequence the commit finishes ran once more, and its token is dropped. Tokens
 and logprobs are the same either way.
@@ -209,10 +208,11 @@ class LLMEngine:
         """Whether the next step may be scheduled before this one's tokens reach the host: run-ahead is on,
         no prompt forks here (update() makes the children), the samples are final on the device, the step
         computed no prompt logprobs (the next plan counts recorded positions), and any grammar rows are the
-        grammar thread's (a deferred draw). With the masks filled on this thread, grammar steps run ahead were
-        exact but slower on an H200 (64 rows, SmolLM2: JSON schema 28.3k -> 26.2k tok/s, tools auto 38.1k ->
-        31.8k; bench/results/h200/session31.md), so those keep the plain order."""
-        return (self._run_ahead and (not matchers or pending.waiting_to_launch) and pending.device_ids is not None
+        grammar thread's (it takes the tokens of this step's draw). With the masks filled on this thread,
+        grammar steps run ahead were exact but slower on an H200 (64 rows, SmolLM2: JSON schema 28.3k -> 26.2k
+        tok/s, tools auto 38.1k -> 31.8k; bench/results/h200/session31.md), so those keep the plain order."""
+        grammars_allow = not matchers or self.grammars.thread_takes_step
+        return (self._run_ahead and grammars_allow and pending.device_ids is not None
                 and out.total_samples == len(out.sample_rows) and self._prompt_logprobs.idle)
 
     def _catch_up(self) -> None:
@@ -259,10 +259,7 @@ class LLMEngine:
         The (row, grammar) pairs of the constrained rows are added to `matchers`."""
         rows = lambda: self._sampling_rows(out, matchers)  # noqa: E731
         grammar = lambda: self.grammars.step(matchers)  # noqa: E731
-        last_ids = None
-        if self._advanced is not None:  # the forward reads its ids on the device: a deferred draw is queued first
-            self._advanced[1].launch()
-            last_ids = self._advanced[1].device_ids
+        last_ids = self._advanced[1].device_ids if self._advanced is not None else None  # read on the device
         return self.worker.execute_async(out, rows, grammar, self._prompt_logprobs.plan(out), last_ids)
 
     def _sampling_rows(self, out, matchers: list) -> list:

@@ -40,7 +40,7 @@ import torch
 from pagedserve.engine.grammar_backends import (CompiledGrammar, LLGuidanceBackend, LLGuidanceMatcher, MaskFiller,
                                                 XgrammarBackend)
 from pagedserve.engine.grammar_step import CHECK_FIRST_SECONDS, CheckFirstPolicy, GrammarStats, GrammarStep
-from pagedserve.engine.grammar_thread import GrammarThread, place_masks
+from pagedserve.engine.grammar_thread import GrammarThread, lines_up, place_masks
 from pagedserve.engine_config import STRUCTURED_OUTPUTS_BACKENDS
 from pagedserve.errors import RequestError
 from pagedserve.sample.grammar_mask import GrammarMask
@@ -207,7 +207,9 @@ class Grammars:
 
     def take_ended(self) -> list:
         """The (request, sample) pairs whose grammar ended since the last call and whose sequence still
-        runs (an EOS already ended most of them in the scheduler), each given its "stop" ending."""
+        runs (an EOS already ended most of them in the scheduler), each given its "stop" ending. The grammar
+        thread's jobs but the newest are settled first: the tokens recorded now were drawn under their masks."""
+        self.settle(keep_newest=True)
         if not self._ended:
             return []
         ended = [(r, s) for r, s in self._ended if s.seq_id is not None and not s.done]
@@ -227,23 +229,33 @@ class Grammars:
         if (self._thread is not None and not self.policy.dear(len(matchers))
                 and all(isinstance(m, LLGuidanceMatcher) for _, m in matchers)):
             return GrammarStep(self.fill, matchers, self.stats, self.policy, False, self._drawn)
-        self.settle()  # the thread's last job moved some of these matchers: it ends before this thread reads them
+        self.settle()  # the thread's jobs moved some of these matchers: they end before this thread reads them
         return GrammarStep(self.fill, matchers, self.stats, self.policy, self.policy.decide(len(matchers)))
+
+    @property
+    def thread_takes_step(self) -> bool:
+        """Whether the grammar thread takes the tokens of the step whose draw was queued last."""
+        return bool(self._thread_takes)
 
     def _drawn(self, matchers: list[tuple[int, object]], pending) -> None:
         """The step's plain draw is queued: its tokens go to the grammar thread, not through accept()."""
         self._thread_takes = {id(m) for _, m in matchers}
-        self._thread.submit(list(matchers), pending)
+        self._thread.submit(matchers, pending)
 
     def fill(self, matchers: list[tuple[int, object]]) -> Optional[GrammarMask]:
-        """The mask of these (logits row, matcher) pairs; None when none needs one (all terminated)."""
+        """The mask of these (logits row, matcher) pairs; None when none needs one (all terminated). Where
+        they are the grammar thread's newest job's, the job's buffer, which the draw waits for on its device."""
         start = time.perf_counter()
         if self._thread is None:
             bitmask, placed, todo = self._host_bitmask(), [], matchers
-        else:  # the thread's job first: it moved these matchers and filled most masks
-            job = self._thread.settle()
-            self._note_job(job)
-            bitmask, placed, todo = place_masks(job, matchers, self._thread.buffer())
+        else:
+            newest = self._thread.newest
+            if lines_up(newest, matchers):
+                self.stats.mask_seconds += time.perf_counter() - start
+                self.stats.steps_waited_on_device += 1
+                return GrammarMask(newest.buffer, [row for row, _ in matchers], self._thread.ready(newest))
+            self.settle()  # the jobs moved these matchers and filled most masks
+            bitmask, placed, todo = place_masks(newest, matchers, self._thread.buffer())
         live = [(row, matcher) for row, matcher in todo if not matcher.is_terminated()]
         self._filler.fill(live, bitmask)
         rows = placed + [row for row, _ in live]
@@ -258,8 +270,6 @@ class Grammars:
 
     def _note_job(self, job) -> None:
         """A settled job's cost and the samples whose grammar it ended (stopped at take_ended())."""
-        if job is None:
-            return
         self.stats.thread_seconds += job.seconds
         self.stats.rows_filled += len(job.live)
         self.policy.note_fill(len(job.live), job.fill_seconds)  # masks dear enough to check draws first: not here
@@ -270,10 +280,12 @@ class Grammars:
             if request is not None and sample is not None:
                 self._ended.append((request, sample))
 
-    def settle(self) -> None:
-        """The grammar thread's job done and noted (its matchers the engine's again)."""
+    def settle(self, keep_newest: bool = False) -> None:
+        """The grammar thread's jobs (all, or all but the newest) done and noted: their matchers the engine's
+        again, the samples they ended queued for take_ended()."""
         if self._thread is not None:
-            self._note_job(self._thread.settle())
+            for job in self._thread.settle(keep_newest):
+                self._note_job(job)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -77,6 +77,7 @@ class GrammarStats:
 
     mask_seconds: float = 0.0  # filling masks (with the grammar thread: waiting for its masks and placing them)
     thread_seconds: float = 0.0  # the grammar thread's accepts and masks (engine/grammar_thread.py)
+    steps_waited_on_device: int = 0  # steps whose draw read the thread's masks as they were, waiting on its device
     check_seconds: float = 0.0  # checking drawn tokens (GrammarStep.refused)
     rows_filled: int = 0  # masks filled
     rows_checked: int = 0  # drawn tokens checked
@@ -88,11 +89,11 @@ class GrammarStep:
     (`mask`), which rows' drawn tokens the grammars refuse (`refused`), and whether checking draws first
     is expected to pay (`check_first`). The sampler's sample.grammar_mask.MaskSource.
 
-    With `drawn` (the grammar thread takes the step: engine/grammar_thread.py) the masks are filling
-    elsewhere: a plain draw is `deferred` until just before the next forward, and once queued it is
-    handed to `drawn(pairs, pending)` so the thread takes its tokens as they reach the host. Such a
-    step fills every mask, so where masks are dear (CheckFirstPolicy.dear, fed the thread's fill times
-    too) the step is not the thread's: checking draws first pays there."""
+    With `drawn` (the grammar thread takes the step: engine/grammar_thread.py, `threaded`) the masks may
+    still be filling elsewhere (the draw waits for them on its device), and a plain draw, once queued, is
+    handed to `drawn(pairs, pending)` so the thread takes its tokens as they reach the host. Such a step
+    fills every mask, so where masks are dear (CheckFirstPolicy.dear, fed the thread's fill times too)
+    the step is not the thread's: checking draws first pays there."""
 
     def __init__(self, fill: Callable[[list], Optional[GrammarMask]], matchers: list[tuple[int, object]],
                  stats: GrammarStats, policy: CheckFirstPolicy, check_first: bool, drawn: Optional[Callable] = None):
@@ -102,11 +103,11 @@ class GrammarStep:
         self._stats = stats
         self._policy = policy
         self._drawn = drawn
-        self.deferred = drawn is not None
+        self.threaded = drawn is not None
         self.check_first = check_first
 
     def drawn(self, pending) -> None:
-        """The step's deferred draw is queued (`pending`, its PendingSamples); only a deferred step's."""
+        """The step's plain draw is queued (`pending`, its PendingSamples); only a threaded step's."""
         self._drawn(self._matchers, pending)
 
     def mask(self, rows: Optional[Sequence[int]] = None) -> Optional[GrammarMask]:
@@ -114,7 +115,7 @@ class GrammarStep:
         if rows is None:
             start = time.perf_counter()
             mask = self._fill(self._matchers)
-            if not self.deferred:  # waiting for the thread is not what a mask costs
+            if not self.threaded:  # placing the thread's masks is not what a mask costs
                 self._policy.note_fill(len(self._matchers), time.perf_counter() - start)
             return mask
         wanted = set(rows)

@@ -1,59 +1,66 @@
-"""The grammar thread: llguidance's token masks filled beside the engine's thread, so grammar steps run ahead.
+"""The grammar thread: llguidance's token masks filled beside the engine's thread, which does not wait for them.
 
 A JSON step of 64 rows on an H200 host costs ~0.6 ms of llguidance masks and ~0.1 ms of accepts on top
 of the engine's ~1 ms of Python, against ~1.2 ms of device work a step: filled on the engine's thread
 they made the step host-bound (60 % of unconstrained, bench/results/h200/session36.md). Here a thread
 of their own takes a step's tokens the moment they reach the host (it waits on the draw's event, not
-on the engine), has each matcher consume its token, and fills the next masks, while the engine's thread
-commits, records, emits and schedules; the draw that needs the masks is queued just before the next
-forward (sample/pending.py, PendingSamples.deferred), and such steps run ahead. On an H200 host (64
-rows, SmolLM2, bench/results/h200/session37.md) JSON went from 53-60 % of unconstrained to 71-84 %,
-compact JSON from 59-73 % to 78-85 %. Where masks are dear (strings of bounded length: ~13 ms a step
-here) the thread cannot keep up; those steps stay on the engine's thread, which checks draws first
-(engine/grammar.py Grammars.step).
+on the engine), has each matcher consume its token, fills the next masks into pinned memory, and raises a
+counter there (`flag`). The engine's thread queues the next step's draw right after its forward, as for
+unconstrained rows, with a wait on the device for that counter before the masks' copy (ops.wait_for_flag),
+so it never waits for the masks itself while a batch's rows stay where they were: it commits, records, emits
+and schedules, and such steps run ahead. (Session 37's version queued the draw only once the masks were in,
+just before the next forward: the engine's thread waited ~0.2 ms a step for them and queued the draw then,
+~0.3 ms more: 71-84 % of unconstrained, bench/results/h200/session37.md.) Where masks are dear (strings of
+bounded length: ~13 ms a step there) the thread cannot keep up; those steps stay on the engine's thread,
+which checks draws first (engine/grammar.py Grammars.step).
 
 Both llguidance calls (consume_token_par, unsafe_compute_mask_ptr) drop the GIL; between them the
 thread needs it back. Python hands it over only every sys.getswitchinterval() (5 ms by default) to a
-thread that asks while another runs Python, so while a job runs the interval is SWITCH_INTERVAL (other
+thread that asks while another runs Python, so while jobs are queued the interval is SWITCH_INTERVAL (other
 threads, xgrammar's pool among them, keep the process's own otherwise). On a 2-core Zen 5 VM, 64 rows
 of SmolLM2's JSON while the other thread ran Python: 0.39 ms a step on the engine's thread; on this
-thread 1.33 ms at 5 ms, 0.72 ms at 50 us, 0.62 ms at 20 us, the engine's own loop slowed by ~1 %. The
-GIL still costs: on the H200 host a job takes 0.8-1.1 ms where the masks on the engine's thread took
-0.5-0.9, and a JSON step kept the engine's thread 2.0 ms against 1.2 unconstrained (its probe,
-bench/perf/probes/step_phases.py): the masks' wait, the deferred draw's launch and the record's share.
+thread 1.33 ms at 5 ms, 0.72 ms at 50 us, 0.62 ms at 20 us, the engine's own loop slowed by ~1 %.
 
-Jobs are one step at a time: `submit(pairs, pending)` when step k's draw is queued; the job has each
-(row, matcher) pair consume the token of its row and fills the live matchers' masks into rows of a
-buffer of its own (the same row numbers). `settle()` waits for the job and hands the matchers back;
-`place_masks(job, pairs, out)` finds step k + 1's masks, in the job's buffer where its rows line up.
-Only Grammars (engine/grammar.py) drives this class, on the engine's thread.
+Jobs run in the order submitted, one at a time: `submit(pairs, pending)` when step k's draw is queued; the
+job has each (row, matcher) pair consume the token of its row, fills the live matchers' masks into rows of a
+buffer of its own (the same row numbers; an ended matcher's row allows every token), then raises the flag to
+its number. Step k + 1's draw reads that buffer as it is when its (row, matcher) pairs are the job's
+(`lines_up`), after `ready` waits (on the device) for the job; otherwise the engine's thread settles every
+job and `place_masks` copies the rows it can. `settle(keep_newest)` waits for jobs and hands them back (their
+matchers are the caller's again). Only Grammars (engine/grammar.py) drives this class, on the engine's thread.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-SWITCH_INTERVAL = 2e-5  # seconds: the GIL's hand-over interval while a job runs (see above)
+from pagedserve import ops
+
+SWITCH_INTERVAL = 2e-5  # seconds: the GIL's hand-over interval while jobs are queued (see above)
 _RING = 4  # mask buffers in turn; a step takes at most two, and a buffer's last copy to the device is done
 #            once the engine has the next step's tokens, two steps later at the latest
+WAIT_SECONDS = 60.0  # a draw waiting longer than this for its masks goes on without them, and the engine raises
 
 
 class _Job:
     """One step's tokens to consume and masks to fill. Made on the engine's thread, which also lists the
     matchers' llguidance objects and rows, so the grammar thread holds the GIL as briefly as it can."""
 
-    def __init__(self, pairs: list[tuple[int, object]], pending, buffer: torch.Tensor, interval: float):
+    def __init__(self, number: int, pairs: list[tuple[int, object]], pending, buffer: torch.Tensor):
+        self.number = number  # the flag's value once the job is done: 1, 2, ... in order
         self.pairs = pairs  # (row, LLGuidanceMatcher)
         self.raws = [m.raw for _, m in pairs]
         self.rows = [row for row, _ in pairs]
-        self.pending = pending  # the step's PendingSamples: host_ids() once queued
+        self.row_of = {id(m): row for row, m in pairs}
+        self.pending = pending  # the step's PendingSamples
         self.buffer = buffer
-        self.interval = interval  # the process's GIL switch interval, restored when the job ends
         self.live: dict[int, int] = {}  # id(matcher) -> its buffer row, for the matchers still live
         self.ended: list[object] = []  # matchers that refused their token or terminated
         self.seconds = 0.0  # consuming and filling, not waiting for the draw
@@ -70,9 +77,16 @@ class GrammarThread:
         self._buffers = [torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin_memory)
                          for _ in range(_RING)]
         self._next_buffer = 0
+        # [number of the last job done, 1 once a device's wait timed out]: raised by the thread, read by the
+        # device (pinned) or the host
+        self.flag = torch.zeros(2, dtype=torch.int64, pin_memory=pin_memory)
+        self._flag = self.flag.numpy()
         self._pool: Optional[ThreadPoolExecutor] = None
         self._executor = None  # llguidance's
-        self._job: Optional[_Job] = None  # submitted, not settled
+        self._jobs: deque[_Job] = deque()  # submitted, not settled, oldest first
+        self._submitted = 0
+        self._interval = sys.getswitchinterval()  # the process's own, back once no job is queued
+        self._interval_lock = threading.Lock()
 
     def buffer(self) -> torch.Tensor:
         """The next mask buffer of the ring (see _RING)."""
@@ -80,30 +94,45 @@ class GrammarThread:
         self._next_buffer = (self._next_buffer + 1) % _RING
         return buffer
 
+    @property
+    def newest(self) -> Optional[_Job]:
+        """The last job submitted, if it is not settled."""
+        return self._jobs[-1] if self._jobs else None
+
     def submit(self, pairs: list[tuple[int, object]], pending) -> None:
         """Step's (row, matcher) pairs take their row's token from `pending` (a queued plain draw) and fill
-        their next masks; the engine's thread must not touch these matchers until settle()."""
-        self.settle()
+        their next masks, after the jobs before; the engine's thread must not touch these matchers until
+        settle() returns this job."""
         if self._pool is None:
             import llguidance
 
             self._executor = llguidance.LLExecutor(num_threads=1)  # more were slower: MaskFiller
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
-        interval = sys.getswitchinterval()
-        self._job = _Job(pairs, pending, self.buffer(), interval)
-        sys.setswitchinterval(min(interval, SWITCH_INTERVAL))  # while the job runs: see the module's docstring
-        self._job.future = self._pool.submit(_run, self._job, self._executor)
+        with self._interval_lock:
+            self._submitted += 1
+            job = _Job(self._submitted, list(pairs), pending, self.buffer())
+            sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL))  # while jobs are queued: see above
+        job.future = self._pool.submit(self._run, job)
+        self._jobs.append(job)
 
-    def settle(self) -> Optional[_Job]:
-        """Waits for the submitted job, if any, and returns it (its matchers are the caller's again)."""
-        job, self._job = self._job, None
-        if job is None:
-            return None
-        try:
-            job.future.result()
-        except Exception as err:
-            raise RuntimeError(f"the grammar thread failed: {err}") from err
-        return job
+    def ready(self, job: _Job) -> Callable[[torch.device], None]:
+        """What makes a device wait for `job`'s masks before it reads them (GrammarMask's `ready`)."""
+        return lambda device: ops.wait_for_flag(self.flag, job.number, device, WAIT_SECONDS)
+
+    def settle(self, keep_newest: bool = False) -> list[_Job]:
+        """Waits for the submitted jobs (all, or all but the newest) and returns them, oldest first: their
+        matchers are the caller's again. RuntimeError where a job failed or a device gave up waiting."""
+        done = []
+        while len(self._jobs) > (1 if keep_newest else 0):
+            job = self._jobs.popleft()
+            done.append(job)
+            try:
+                job.future.result()
+            except Exception as err:
+                raise RuntimeError(f"the grammar thread failed: {err}") from err
+        if self._flag[1]:
+            raise RuntimeError(f"a draw waited more than {WAIT_SECONDS:g} s for the grammar thread's masks")
+        return done
 
     def close(self) -> None:
         self.settle()
@@ -111,13 +140,17 @@ class GrammarThread:
             self._pool.shutdown()
             self._pool = None
 
-
-def _run(job: _Job, executor) -> None:
-    """One job on the grammar thread; the process's GIL switch interval is back once it ends."""
-    try:
-        _consume_and_fill(job, executor)
-    finally:
-        sys.setswitchinterval(job.interval)
+    def _run(self, job: _Job) -> None:
+        """One job on the grammar thread. Its number is raised even where it fails, so no device waits for
+        it in vain (settle() reports the failure); the process's switch interval is back once no job is
+        queued."""
+        try:
+            _consume_and_fill(job, self._executor)
+        finally:
+            self._flag[0] = job.number  # after the masks: a device that sees it copies them
+            with self._interval_lock:
+                if job.number == self._submitted:
+                    sys.setswitchinterval(self._interval)
 
 
 def _consume_and_fill(job: _Job, executor) -> None:
@@ -125,25 +158,37 @@ def _consume_and_fill(job: _Job, executor) -> None:
     start = time.perf_counter()
     raws, rows = job.raws, job.rows
     ok = executor.consume_token_par(list(zip(raws, ids if rows[-1] == len(rows) - 1 else [ids[r] for r in rows])))
-    live = []
+    live, ended_rows = [], []
     for (row, m), raw, accepted in zip(job.pairs, raws, ok):
         if accepted and not raw.is_stopped():
             live.append((raw, row))
             job.live[id(m)] = row
         else:
             job.ended.append(m)
+            ended_rows.append(row)
+    buffer = job.buffer
+    if ended_rows:  # every token allowed: the engine drops the row's token (its sequence ends)
+        buffer.numpy()[ended_rows] = -1
     if live:
         fill_start = time.perf_counter()
-        buffer = job.buffer
         executor.unsafe_compute_mask_ptr(live, buffer.data_ptr(), buffer.shape[1] * 4, buffer.shape[0])
         job.fill_seconds = time.perf_counter() - fill_start
     job.seconds = time.perf_counter() - start
 
 
+def lines_up(job: Optional[_Job], pairs: Sequence[tuple[int, object]]) -> bool:
+    """Whether `pairs` are the job's own (row, matcher) pairs, the same matchers on the same rows: then the
+    next step reads the job's buffer as it is, every other row of it free for masks of no grammar."""
+    if job is None or len(pairs) != len(job.pairs):
+        return False
+    row_of = job.row_of
+    return all(row_of.get(id(m)) == row for row, m in pairs)
+
+
 def place_masks(job: Optional[_Job], pairs: Sequence[tuple[int, object]], out: torch.Tensor
                 ) -> tuple[torch.Tensor, list[int], list[tuple[int, object]]]:
-    """Where step k + 1's (row, matcher) pairs find their masks: the job's buffer itself when every pair
-    sits on its job row (a steady decode batch), else `out` with the job's rows copied in. Returns the
+    """Where step k + 1's (row, matcher) pairs find the masks of a settled job: its buffer itself when every
+    pair sits on its live job row, else `out` with the job's rows copied in. Returns the
     buffer, the rows placed, and the pairs the job did not fill (new to sampling, or ended) for the caller."""
     if job is None:
         return out, [], list(pairs)

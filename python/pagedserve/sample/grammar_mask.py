@@ -8,7 +8,7 @@ sampling parameters."""
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -16,9 +16,12 @@ import torch
 class GrammarMask:
     """A step's host bitmask and the logits rows it applies to (the sampler's `grammar` argument)."""
 
-    def __init__(self, bitmask: torch.Tensor, rows: list[int]):
+    def __init__(self, bitmask: torch.Tensor, rows: list[int], ready: Optional[Callable[[torch.device], None]] = None):
         self.bitmask = bitmask  # [>= R, ceil(V / 32)] int32 on the host (pinned when the sampler is on CUDA)
         self.rows = rows  # the logits rows constrained; the others are left alone
+        # Where the constrained rows are still filling (the grammar thread's job): makes a device wait until
+        # they are in before it reads them (a CUDA stream waits on the device, the CPU here)
+        self.ready = ready
 
     def allowed(self, num_rows: int, device: torch.device) -> torch.Tensor:
         """The mask of logits rows [0, num_rows) as ops.sample_tokens takes it, on `device`: the
@@ -30,6 +33,12 @@ class GrammarMask:
             for row in range(num_rows):
                 if row not in constrained:
                     bitmask[row] = -1
+        return self.on_device(bitmask, device)
+
+    def on_device(self, bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`bitmask` (rows of self.bitmask) where `device` reads it once the rows are in (see `ready`)."""
+        if self.ready is not None:
+            self.ready(device)
         return bitmask if device.type == "cpu" else bitmask.to(device, non_blocking=True)
 
 
@@ -38,10 +47,10 @@ class MaskSource(Protocol):
     `grammar` argument where it may check its draws before masking."""
 
     check_first: bool  # whether checking draws before masking is expected to pay
-    deferred: bool  # whether the masks fill elsewhere, so a plain draw may be queued once they are in
+    threaded: bool  # whether a plain draw's tokens go to the thread that fills the masks (handed over by drawn)
 
     def drawn(self, pending) -> None:
-        """A deferred draw was queued (its PendingSamples): its tokens may be taken as they arrive."""
+        """A threaded step's plain draw was queued (its PendingSamples): its tokens may be taken as they arrive."""
 
     def mask(self, rows: Optional[Sequence[int]] = None) -> Optional[GrammarMask]:
         """The mask of every constrained row, or of those among `rows`; None when none needs one."""
@@ -55,10 +64,9 @@ def apply_mask(logits: torch.Tensor, mask: GrammarMask) -> torch.Tensor:
     import xgrammar as xgr
 
     out = logits.to(torch.float32, copy=True)
-    bitmask = mask.bitmask[:out.shape[0]]
+    bitmask = mask.on_device(mask.bitmask[:out.shape[0]], out.device)
     rows = mask.rows
     if out.device.type != "cpu":
-        bitmask = bitmask.to(out.device, non_blocking=True)
         # xgrammar copies a list of rows from pageable memory, which may wait for the device (the step's
         # forward) on the host; every row constrained needs no list, the others travel pinned.
         rows = None if rows == list(range(out.shape[0])) else torch.tensor(rows, dtype=torch.int32).pin_memory().to(

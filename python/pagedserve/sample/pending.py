@@ -1,9 +1,4 @@
-"""What a step's sampling hands back: the sampled ids (and logprobs) on their way to the host.
-
-A PendingSamples is queued on the device when made, or, deferred, once its input is ready: the sampler
-defers a plain draw whose grammar masks are filling on the grammar thread (engine/grammar_thread.py),
-and the engine queues it (launch) just before the next forward, which reads its ids on the device.
-"""
+"""What a step's sampling hands back: the sampled ids (and logprobs) on their way to the host."""
 
 from __future__ import annotations
 
@@ -37,7 +32,6 @@ class PendingSamples:
     def __init__(self, host: Optional[torch.Tensor], event, finish: Callable[[np.ndarray], SamplerOutput],
                  output: Optional[SamplerOutput] = None, device_ids: Optional[torch.Tensor] = None):
         self._host, self._event, self._finish, self._output = host, event, finish, output
-        self._queue: Optional[Callable[[], "PendingSamples"]] = None  # a deferred draw, until launch()
         self.prompt_logprobs: Optional["PendingSamples"] = None  # the step's prompt logprobs (model runner)
         # The sampled ids where the device left them, one per sample (int32): the next step's inputs when the
         # engine runs ahead (StepInputs.prepare). None where a draw may still change on the host.
@@ -46,27 +40,6 @@ class PendingSamples:
     @classmethod
     def ready(cls, output: SamplerOutput) -> "PendingSamples":
         return cls(None, None, lambda host: output, output)
-
-    @classmethod
-    def deferred(cls, queue: Callable[[], "PendingSamples"], device_ids: torch.Tensor) -> "PendingSamples":
-        """A draw queued later, by launch() or result(): `queue()` queues it and returns its PendingSamples.
-        `device_ids`, which that draw writes, exist now, so the next step's forward may be prepared from
-        them (it must be queued after launch())."""
-        pending = cls(None, None, lambda host: SamplerOutput([], None), device_ids=device_ids)
-        pending._queue = queue
-        return pending
-
-    @property
-    def waiting_to_launch(self) -> bool:
-        """A deferred draw not queued yet."""
-        return self._queue is not None
-
-    def launch(self) -> None:
-        """Queues a deferred draw (once); nothing for the others."""
-        if self._queue is not None:
-            queued, self._queue = self._queue(), None
-            self._host, self._event, self._finish, self._output = (queued._host, queued._event, queued._finish,
-                                                                   queued._output)
 
     @classmethod
     def copy(cls, device_ints: torch.Tensor, finish: Callable[[np.ndarray], SamplerOutput],
@@ -83,14 +56,11 @@ class PendingSamples:
     def host_ids(self) -> np.ndarray:
         """What the device left, as it reaches the host, without result()'s conversion: what a thread other
         than the engine's may wait for (the wait drops the GIL); a plain draw's ids alone."""
-        if self._queue is not None:
-            raise RuntimeError("the draw is not queued yet")
         if self._event is not None:
             self._event.synchronize()
         return self._host.numpy()
 
     def result(self) -> SamplerOutput:
-        self.launch()
         if self._output is None:
             self._output = self._finish(self.host_ids())
         return self._output

@@ -74,16 +74,16 @@ class Sampler:
         """Queues the sampling on the logits' device; result() waits for the ids on the host.
         `grammar` (optional): the structured-output token bitmask, applied before any sampling parameter
         (on a copy: the caller's logits stay unmodified), as a filled sample.grammar_mask.GrammarMask or a
-        MaskSource to fill it from (where every row samples plainly, the draw waits for masks filling
-        elsewhere when the source says so (its `deferred`), and where it says checking pays, only the rows
-        whose unmasked draw it refuses get a mask: _launch_gumbel_max)."""
+        MaskSource to fill it from (where every row samples plainly, a threaded source is handed the queued
+        draw, and where it says checking pays, only the rows whose unmasked draw it refuses get a mask:
+        _launch_gumbel_max)."""
         self._check_inputs(logits, rows)
         logits = logits[:, :self.vocab_size]
         if not rows:
             return PendingSamples.ready(SamplerOutput(token_ids=[], logprobs=None))
         plain = self._is_plain_temperature(rows)
         if (grammar is not None and not isinstance(grammar, GrammarMask)
-                and not (plain and (grammar.check_first or grammar.deferred))):
+                and not (plain and (grammar.check_first or grammar.threaded))):
             grammar = grammar.mask()  # every constrained row's mask, now
         if plain:  # a grammar's mask goes into the same pass
             return self._launch_gumbel_max(logits, rows, grammar)
@@ -148,10 +148,10 @@ class Sampler:
         read by the same pass (no masked float32 copy of the logits, no second kernel: on an H200 host
         those were ~0.25 ms a step of a JSON-constrained batch, bench/results/h200/session11.md).
 
-        Given a MaskSource whose masks fill elsewhere (its `deferred`), the pass is queued once they are
-        in (PendingSamples.deferred: by the engine, just before the next forward, which reads its ids on
-        the device). Given one where checking pays, the pass runs unmasked, and the rows whose token the
-        grammar refuses run it again under their masks with the same seed.
+        Given a threaded MaskSource (the grammar thread fills its masks: the mask's copy waits for them on
+        the device), the queued pass is handed to it, whose thread takes the tokens as they reach the host.
+        Given one where checking pays, the pass runs unmasked, and the rows whose token the grammar refuses
+        run it again under their masks with the same seed.
         Exact: a row's noise depends on (seed, row, token) only, so an accepted token beat every other
         token, the allowed ones included, and is what the masked pass draws too (ties go to the lowest
         id in both)."""
@@ -171,15 +171,11 @@ class Sampler:
         if grammar is None or isinstance(grammar, GrammarMask):
             drawn = draw(grammar)
             return PendingSamples.copy(drawn, ids, device_ids=drawn)
-        if grammar.deferred:
-            out = torch.empty(len(rows), dtype=torch.int32, device=logits.device)
-
-            def queue() -> PendingSamples:
-                with torch.inference_mode():  # queued outside the runner's step, like result()
-                    queued = PendingSamples.copy(draw(grammar.mask(), out), ids, device_ids=out)
-                grammar.drawn(queued)
-                return queued
-            return PendingSamples.deferred(queue, out)
+        if grammar.threaded:
+            drawn = draw(grammar.mask())
+            pending = PendingSamples.copy(drawn, ids, device_ids=drawn)
+            grammar.drawn(pending)
+            return pending
 
         def checked(host: np.ndarray) -> SamplerOutput:
             token_ids = host.tolist()
