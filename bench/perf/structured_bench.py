@@ -120,6 +120,7 @@ def main() -> None:
             g = engine.grammars.stats
             steps[0], mask0, check0, thread0 = 0, g.mask_seconds, g.check_seconds, g.thread_seconds
             checked0, refused0 = g.rows_checked, g.rows_refused
+            waited0 = getattr(g, "steps_waited_on_device", 0)  # (an older tree's stats lack it: py_ab)
             phases.update(launch=0.0, wait=0.0)
             start = time.perf_counter()
             outs = llm.generate([PROMPT] * args.num_requests, params, use_tqdm=False)
@@ -129,6 +130,7 @@ def main() -> None:
                 written = [list(o.outputs[0].token_ids) for o in outs]
             mask, check, thread = g.mask_seconds - mask0, g.check_seconds - check0, g.thread_seconds - thread0
             checked, refused = g.rows_checked - checked0, g.rows_refused - refused0
+            waited = getattr(g, "steps_waited_on_device", 0) - waited0
             launch, wait = phases["launch"], phases["wait"]
 
             def ms_per_step(seconds: float) -> float:
@@ -140,6 +142,7 @@ def main() -> None:
                    "mask_ms_per_step": ms_per_step(mask), "thread_ms_per_step": ms_per_step(thread),
                    "check_ms_per_step": ms_per_step(check),
                    "refused_pct": 100 * refused / checked if checked else 0.0,
+                   "device_waited_pct": 100 * waited / max(steps[0], 1),  # draws that read the thread's masks as left
                    "launch_ms_per_step": ms_per_step(launch), "wait_ms_per_step": ms_per_step(wait),
                    "other_host_ms_per_step": ms_per_step(wall - launch - wait),
                    "finish": ",".join(sorted({o.outputs[0].finish_reason for o in outs}))}
@@ -151,7 +154,7 @@ def main() -> None:
     bounded_ratio, tag_ratio = vs_plain["json schema, strings maxLength 24"], vs_plain["tools auto (structural tag)"]
     table = markdown_table(rows, ["case", "backend", "requests", "output_tokens", "wall_s", "tokens_per_s", "steps",
                                  "mask_ms_per_step", "thread_ms_per_step", "check_ms_per_step", "refused_pct",
-                                 "launch_ms_per_step",
+                                 "device_waited_pct", "launch_ms_per_step",
                                  "wait_ms_per_step",
                                  "other_host_ms_per_step", "finish"])
     fills = [] if args.skip_replay else mask_replay(engine, written)
