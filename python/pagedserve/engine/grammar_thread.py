@@ -22,9 +22,9 @@ of SmolLM2's JSON while the other thread ran Python: 0.39 ms a step on the engin
 thread 1.33 ms at 5 ms, 0.72 ms at 50 us, 0.62 ms at 20 us, the engine's own loop slowed by ~1 %.
 
 Jobs run in the order submitted, one at a time: `submit(pairs, pending)` when step k's draw is queued; the
-job has each (row, matcher) pair consume the token of its row, fills the live matchers' masks into rows of a
-buffer of its own (the same row numbers; an ended matcher's row allows every token), then raises the flag to
-its number. Step k + 1's draw reads that buffer as it is when its (row, matcher) pairs are the job's
+job has each (row, matcher) pair consume the token of its row, fills the matchers' masks into rows of a
+buffer of its own (the same row numbers; an ended matcher's row holds a mask of EOS alone), then raises the
+flag to its number. Step k + 1's draw reads that buffer as it is when its (row, matcher) pairs are the job's
 (`lines_up`), after `ready` waits (on the device) for the job; otherwise the engine's thread settles every
 job and `place_masks` copies the rows it can. `settle(keep_newest)` waits for jobs and hands them back (their
 matchers are the caller's again). Only Grammars (engine/grammar.py) drives this class, on the engine's thread.
@@ -58,11 +58,14 @@ class _Job:
         self.pairs = pairs  # (row, LLGuidanceMatcher)
         self.raws = [m.raw for _, m in pairs]
         self.rows = [row for row, _ in pairs]
+        self.fills = list(zip(self.raws, self.rows))  # (llguidance matcher, buffer row), as its executor takes them
+        self.dense = self.rows[-1] == len(self.rows) - 1  # rows 0..n-1: the draw's ids as they are
         self.row_of = {id(m): row for row, m in pairs}
         self.pending = pending  # the step's PendingSamples
         self.buffer = buffer
         self.live: dict[int, int] = {}  # id(matcher) -> its buffer row, for the matchers still live
         self.ended: list[object] = []  # matchers that refused their token or terminated
+        self.accepted: list[bool] = []  # per pair: whether its matcher took its token
         self.seconds = 0.0  # consuming and filling, not waiting for the draw
         self.fill_seconds = 0.0  # filling alone
         self.future: Optional[Future] = None  # the pool's, once submitted
@@ -141,9 +144,10 @@ class GrammarThread:
             self._pool = None
 
     def _run(self, job: _Job) -> None:
-        """One job on the grammar thread. Its number is raised even where it fails, so no device waits for
-        it in vain (settle() reports the failure); the process's switch interval is back once no job is
-        queued."""
+        """One job on the grammar thread. Its number is raised as soon as the masks are in, and even where
+        the job fails, so no device waits for it in vain (settle() reports the failure); which matchers
+        ended is sorted out after (the engine reads it once it settles the job); the process's switch
+        interval is back once no job is queued."""
         try:
             _consume_and_fill(job, self._executor)
         finally:
@@ -151,29 +155,31 @@ class GrammarThread:
             with self._interval_lock:
                 if job.number == self._submitted:
                     sys.setswitchinterval(self._interval)
+        _sort_ended(job)
 
 
 def _consume_and_fill(job: _Job, executor) -> None:
+    """The critical path: the draw's tokens in, every matcher's next mask out. Ended matchers are filled
+    too (llguidance gives one that stopped or refused its token a mask of EOS alone): their sequences stop
+    at the next record, which drops the token drawn here. Sorting them out between the two calls put a
+    wait for the GIL (up to SWITCH_INTERVAL) and ~11 us of Python (64 rows, a Zen 5 core) on this path."""
     ids = job.pending.host_ids().tolist()  # waits for the draw (the GIL dropped)
     start = time.perf_counter()
-    raws, rows = job.raws, job.rows
-    ok = executor.consume_token_par(list(zip(raws, ids if rows[-1] == len(rows) - 1 else [ids[r] for r in rows])))
-    live, ended_rows = [], []
-    for (row, m), raw, accepted in zip(job.pairs, raws, ok):
+    job.accepted = executor.consume_token_par(list(zip(job.raws, ids if job.dense else [ids[r] for r in job.rows])))
+    fill_start = time.perf_counter()
+    buffer = job.buffer
+    executor.unsafe_compute_mask_ptr(job.fills, buffer.data_ptr(), buffer.shape[1] * 4, buffer.shape[0])
+    job.fill_seconds = time.perf_counter() - fill_start
+    job.seconds = time.perf_counter() - start
+
+
+def _sort_ended(job: _Job) -> None:
+    """The job's live matchers (by buffer row) and those that refused their token or terminated."""
+    for (row, m), raw, accepted in zip(job.pairs, job.raws, job.accepted):
         if accepted and not raw.is_stopped():
-            live.append((raw, row))
             job.live[id(m)] = row
         else:
             job.ended.append(m)
-            ended_rows.append(row)
-    buffer = job.buffer
-    if ended_rows:  # every token allowed: the engine drops the row's token (its sequence ends)
-        buffer.numpy()[ended_rows] = -1
-    if live:
-        fill_start = time.perf_counter()
-        executor.unsafe_compute_mask_ptr(live, buffer.data_ptr(), buffer.shape[1] * 4, buffer.shape[0])
-        job.fill_seconds = time.perf_counter() - fill_start
-    job.seconds = time.perf_counter() - start
 
 
 def lines_up(job: Optional[_Job], pairs: Sequence[tuple[int, object]]) -> bool:
