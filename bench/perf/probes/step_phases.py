@@ -61,27 +61,20 @@ def instrument(engine) -> None:
     g._drawn = timed("grammars._drawn", g._drawn)
     if g._thread is not None:
         settle = g._thread.settle
+        g._thread.submit = timed("thread.submit", g._thread.submit)
 
-        def settled():
+        def settled(keep_newest: bool = False):
             start = time.perf_counter()
-            job = settle()
+            jobs = settle(keep_newest)
             TIMES["thread.settle"] += time.perf_counter() - start
             CALLS["thread.settle"] += 1
-            if job is not None:
+            for job in jobs:
                 TIMES["(thread) fill"] += job.fill_seconds
                 TIMES["(thread) job"] += job.seconds
                 CALLS["(thread) job"] += 1
-            return job
+            return jobs
         g._thread.settle = settled
-    launch, result = pending.PendingSamples.launch, pending.PendingSamples.result
-
-    def deferred_launch(self):
-        if self._queue is None:
-            return launch(self)
-        return timed("pending.launch (deferred)", launch)(self)
-    pending.PendingSamples.launch = deferred_launch
-    pending.PendingSamples.result = timed("pending.result", result)
-
+    pending.PendingSamples.result = timed("pending.result", pending.PendingSamples.result)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
