@@ -13,7 +13,7 @@ import torch
 
 from pagedserve import SamplingParams, StructuredOutputsParams
 from pagedserve.engine.grammar import Grammars
-from pagedserve.engine.grammar_step import (CHECK_FIRST_SECONDS, EXPLORE_CHECK_EVERY, EXPLORE_FILL_EVERY,
+from pagedserve.engine.grammar_step import (CHECK_FIRST_SECONDS, EXPLORE_CHECK_EVERY, EXPLORE_FILL_EVERY, FILL_WINDOW,
                                              CheckFirstPolicy)
 from pagedserve.sample.sampler import Sampler, SamplingRow
 
@@ -123,11 +123,15 @@ def test_policy_checks_where_masks_are_dear_or_draws_rarely_refused():
     for _ in range(8):
         policy.note_check(True)  # and checked steps keep refusing a row
     assert not policy.prefers_check(64)
-    policy.note_fill(64, 10e-3)  # strings with maxLength: dear
+    policy.note_fill(64, 10e-3)  # one slow step (the thread's fill across a slow GIL hand-over) ...
+    assert not policy.prefers_check(64)  # ... is not what masks cost
+    for _ in range(FILL_WINDOW // 2):
+        policy.note_fill(64, 10e-3)  # strings with maxLength: dear, step after step
     assert policy.prefers_check(64) and not policy.prefers_check(8)
     steps = _decisions(policy, 64, EXPLORE_FILL_EVERY)
     assert steps.count(False) == 1  # one step in EXPLORE_FILL_EVERY fills every mask to re-measure
-    policy.note_fill(64, 0.5e-3)  # tool calls: cheap masks ...
+    for _ in range(FILL_WINDOW):
+        policy.note_fill(64, 0.5e-3)  # tool calls: cheap masks ...
     for _ in range(8):
         policy.note_check(False)  # ... and no draw refused
     assert policy.prefers_check(64)

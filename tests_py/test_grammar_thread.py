@@ -184,7 +184,7 @@ def test_a_process_exits_cleanly_with_the_thread_running(default_model_path, dev
     script = f"""
 from pagedserve import LLM, SamplingParams, StructuredOutputsParams
 llm = LLM(model={str(default_model_path)!r}, device={device!r}, max_model_len=256, async_scheduling="on",
-          structured_outputs_thread="on", gpu_memory_utilization=0.2)
+          structured_outputs_thread="on", gpu_memory_utilization=0.9)  # beside the module's engines on a card
 llm.llm_engine.grammars.policy.threshold = float("inf")
 so = StructuredOutputsParams(json={{"type": "array", "items": {{"type": "string"}}}})
 llm.generate(["List fruits as JSON:"] * 4, SamplingParams(structured_outputs=so, temperature=0.7, max_tokens=16),
