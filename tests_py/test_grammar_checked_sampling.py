@@ -125,13 +125,13 @@ def test_policy_checks_where_masks_are_dear_or_draws_rarely_refused():
     assert not policy.prefers_check(64)
     policy.note_fill(64, 10e-3)  # one slow step (the thread's fill across a slow GIL hand-over) ...
     assert not policy.prefers_check(64)  # ... is not what masks cost
-    for _ in range(FILL_WINDOW // 2):
+    for _ in range(FILL_WINDOW - 1):
         policy.note_fill(64, 10e-3)  # strings with maxLength: dear, step after step
     assert policy.prefers_check(64) and not policy.prefers_check(8)
     steps = _decisions(policy, 64, EXPLORE_FILL_EVERY)
     assert steps.count(False) == 1  # one step in EXPLORE_FILL_EVERY fills every mask to re-measure
-    for _ in range(FILL_WINDOW):
-        policy.note_fill(64, 0.5e-3)  # tool calls: cheap masks ...
+    policy.note_fill(64, 0.5e-3)  # tool calls: cheap masks (one cheap fill is enough) ...
+    assert not policy.dear(64)
     for _ in range(8):
         policy.note_check(False)  # ... and no draw refused
     assert policy.prefers_check(64)

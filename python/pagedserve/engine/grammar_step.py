@@ -15,7 +15,6 @@ refused) 68-74 % filled, 79-83 % checked. Hence CheckFirstPolicy.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,10 +29,12 @@ CHECK_FIRST_SECONDS = 2e-3
 REFUSING = 0.25  # ... or where fewer checked steps than this share had a row refused (tools: none of them)
 EXPLORE_CHECK_EVERY = 16  # while filling: one step in this many checks, to see how often draws are refused
 EXPLORE_FILL_EVERY = 64  # while checking: one step in this many fills every mask, to see what masks cost
-# What a row's mask costs is the median of the last FILL_WINDOW steps that filled every mask: the grammar
-# thread times its fills across a hand-over of the GIL, and on an H200 host one slow hand-over in a few
-# steps made a plain JSON step look dear; the next step then went to the engine's thread, every other step
-# of 64 rows (bench/results/h200/session38.md).
+# What a row's mask costs is the least of the last FILL_WINDOW steps that filled every mask: the grammar
+# thread times its fills across hand-overs of the GIL, which only add, and on an H200 host one slow
+# hand-over in a few steps made a plain JSON step look dear, so that the next went to the engine's thread,
+# every other step of 64 rows (bench/results/h200/session38.md); a median kept a grammar's slow first fills
+# (its lexer built) for FILL_WINDOW fills, 5 x EXPLORE_FILL_EVERY steps once checking. Dear masks (strings
+# of bounded length) are dear in every step.
 FILL_WINDOW = 5
 
 
@@ -46,7 +47,7 @@ class CheckFirstPolicy:
 
     def __init__(self, threshold: float = CHECK_FIRST_SECONDS):
         self.threshold = threshold
-        self.row_fill_seconds: Optional[float] = None  # the (low) median of _row_costs
+        self.row_fill_seconds: Optional[float] = None  # the least of _row_costs
         self._row_costs: deque[float] = deque(maxlen=FILL_WINDOW)
         self.refusing: Optional[float] = None
         self._steps = 0
@@ -71,7 +72,7 @@ class CheckFirstPolicy:
         """A step filled all its `rows` masks in `seconds`."""
         if rows:
             self._row_costs.append(seconds / rows)
-            self.row_fill_seconds = statistics.median_low(self._row_costs)
+            self.row_fill_seconds = min(self._row_costs)
 
     def note_check(self, any_refused: bool) -> None:
         """A checked step had a row refused, or none."""
