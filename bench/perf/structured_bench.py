@@ -167,8 +167,9 @@ def main() -> None:
           f"plainly (temperature, as here) draw unmasked, the grammar checks each draw (check) and only refused "
           f"rows (refused %) get a mask (mask) and draw again, after the first draw reaches the host. With "
           f"structured_outputs_thread on ({engine.config.structured_outputs_thread} here), steps whose masks are "
-          f"cheap go to the grammar thread (thread: its ms a step; mask: the engine's wait for them and placing "
-          f"them) and run ahead, their draw queued before the next forward (in 'other'). Per step: launch = host "
+          f"cheap go to the grammar thread (thread: its ms a step; mask: the engine's part) and run ahead; their "
+          f"draw is queued after the forward and waits on the device for the thread's masks where the rows stayed "
+          f"put (device waited %: the share of steps). Per step: launch = host "
           f"time queuing the forward and sampling; wait = host time waiting for the sampled ids, checks and "
           f"redraws included; other = the rest of the step on the host (scheduling, recording tokens, advancing "
           f"matchers).\n\n{compile_table}")
