@@ -230,15 +230,13 @@ def sample_tokens(out: torch.Tensor, logits: torch.Tensor, inv_temperature: torc
 
 
 def wait_for_flag(flag: torch.Tensor, target: int, device: torch.device, timeout_seconds: float = 60.0) -> None:
-    """Until flag[0] >= target (an int64 [2] host tensor another thread raises): on a CUDA `device` the
-    current stream waits (flag pinned; the host goes on), on the CPU the calling thread (the GIL dropped).
-    After timeout_seconds flag[1] becomes 1 and the wait ends: the caller reports it."""
-    if device.type == "cuda":
-        kernels, stream = _core.cuda_ops, _raw_stream(device.index if device.index is not None else
-                                                      torch.cuda.current_device())
-    else:
-        kernels, stream = _cpu_ops, _HOST_STREAM
-    kernels.wait_for_flag(_dl(flag), target, timeout_seconds, stream)
+    """Until flag[0] >= target (an int64 [2] host tensor another thread raises): on a CUDA `device` its current
+    stream waits (flag pinned), on the CPU the calling thread (the GIL dropped). After timeout_seconds flag[1]
+    becomes 1 and the wait ends: the caller reports it."""
+    if device.type != "cuda":
+        return _cpu_ops.wait_for_flag(_dl(flag), target, timeout_seconds, _HOST_STREAM)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _core.cuda_ops.wait_for_flag(_dl(flag), target, timeout_seconds, _raw_stream(index))
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
