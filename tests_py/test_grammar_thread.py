@@ -123,6 +123,34 @@ def test_abort_while_a_grammar_step_is_advanced(engines):
     assert engine.stats()["num_used_blocks"] == 0
 
 
+def test_draws_that_are_not_plain_join_a_threaded_batch(engines):
+    """A steady JSON batch on the thread, then requests asking for logprobs or top-p join it (unconstrained
+    ones first: the grammar rows stay the thread's newest job's): their steps' draws are not plain, so the
+    thread does not take them; the engine's thread accepts those steps' tokens and fills their masks once the
+    jobs settle (the masks themselves: test_a_draw_the_thread_does_not_take_reads_settled_masks); outputs as
+    the plain loop's."""
+    fruits = StructuredOutputsParams(json=FRUITS)
+    first = SamplingParams(structured_outputs=fruits, temperature=0.0, max_tokens=40)
+    later = [SamplingParams(temperature=0.0, max_tokens=30, logprobs=1),  # no grammar: the pairs stay the job's
+             SamplingParams(temperature=0.0, max_tokens=30, top_p=0.5),
+             SamplingParams(structured_outputs=StructuredOutputsParams(json=PERSON), temperature=0.0, max_tokens=30,
+                            logprobs=1)]
+    results = {}
+    for name, llm in engines.items():
+        engine, finals = llm.llm_engine, {}
+        for i in range(4):
+            engine.add_request(f"first-{i}", f"List {i} fruits as JSON:", first, stream=False)
+        for _ in range(6):
+            finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        for i, params in enumerate(later):
+            engine.add_request(f"later-{i}", f"Describe person {i} as JSON:", params, stream=False)
+        finals.update(finished_outputs(engine))
+        results[name] = {rid: outcome(o) for rid, o in finals.items()}
+        assert len(results[name]) == 7 and engine.stats()["num_used_blocks"] == 0
+    assert results["thread"] == results["plain"]
+    assert results["ahead"] == results["plain"]
+
+
 @pytest.mark.parametrize("kind", ["regex", "grammar"])
 def test_llguidance_kinds_on_the_thread(default_model_path, kind):
     spec = (StructuredOutputsParams(regex=r"(yes|no), because [a-z ]{5,30}\.") if kind == "regex" else
@@ -157,6 +185,35 @@ def test_which_steps_the_thread_takes(default_model_path):
     grammars.policy.row_fill_seconds = 1e-5
     assert grammars.step(pairs).threaded
     assert not Grammars(default_model_path, 49152, [2], max_rows=8).step(pairs).threaded  # no thread
+    grammars.close()
+
+
+def test_a_draw_the_thread_does_not_take_reads_settled_masks(default_model_path):
+    """A threaded step's plain draw may read the newest job's masks before they are in (the device waits);
+    any other draw (logprobs, top-p: GrammarStep.mask) gets them once the jobs settle. Either way the masks
+    are those of matchers that took the step's tokens."""
+    from pagedserve.engine.grammar import Grammars
+    from pagedserve.sample.pending import PendingSamples
+
+    grammars = Grammars(default_model_path, 49152, [2], max_rows=8, thread=True)
+    compiled = grammars.compile(StructuredOutputsParams(json=FRUITS))
+    pairs = [(0, compiled.new_matcher()), (1, compiled.new_matcher())]
+    token = grammars._hf_tokenizer().encode('["apple', add_special_tokens=False)[0]
+    first = grammars.step(pairs)
+    assert first.threaded and first.threaded_mask().ready is None  # no job yet: filled here
+    first.drawn(PendingSamples.copy(torch.tensor([token, token], dtype=torch.int32), lambda host: None))
+    second = grammars.step(pairs)
+    ahead = second.threaded_mask()
+    assert ahead.ready is not None  # the job's own buffer, waited for by the draw's device
+    ahead.ready(torch.device("cpu"))
+    settled = second.mask()  # what a draw that is not plain takes
+    assert settled.ready is None and grammars._thread.newest is None
+    oracle = compiled.new_matcher()
+    assert oracle.accept_token(token)
+    want = torch.zeros((1, settled.bitmask.shape[1]), dtype=torch.int32)
+    oracle.fill_next_token_bitmask(want, 0)
+    for row in (0, 1):
+        assert torch.equal(settled.bitmask[row], want[0]) and torch.equal(ahead.bitmask[row], want[0])
     grammars.close()
 
 

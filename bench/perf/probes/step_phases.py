@@ -57,6 +57,7 @@ def instrument(engine) -> None:
     engine._recorder.record = timed("recorder.record", engine._recorder.record)
     g = engine.grammars
     g.fill = timed("grammars.fill", g.fill)
+    g.fill_threaded = timed("grammars.fill_threaded", g.fill_threaded)
     g.step = timed("grammars.step", g.step)
     g._drawn = timed("grammars._drawn", g._drawn)
     if g._thread is not None:
@@ -75,6 +76,7 @@ def instrument(engine) -> None:
             return jobs
         g._thread.settle = settled
     pending.PendingSamples.result = timed("pending.result", pending.PendingSamples.result)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -228,7 +228,7 @@ class Grammars:
         # rows all llguidance's, their masks not dear (strings of bounded length are: checking draws pays there).
         if (self._thread is not None and not self.policy.dear(len(matchers))
                 and all(isinstance(m, LLGuidanceMatcher) for _, m in matchers)):
-            return GrammarStep(self.fill, matchers, self.stats, self.policy, False, self._drawn)
+            return GrammarStep(self.fill, matchers, self.stats, self.policy, False, (self.fill_threaded, self._drawn))
         self.settle()  # the thread's jobs moved some of these matchers: they end before this thread reads them
         return GrammarStep(self.fill, matchers, self.stats, self.policy, self.policy.decide(len(matchers)))
 
@@ -242,19 +242,25 @@ class Grammars:
         self._thread_takes = {id(m) for _, m in matchers}
         self._thread.submit(matchers, pending)
 
+    def fill_threaded(self, matchers: list[tuple[int, object]]) -> Optional[GrammarMask]:
+        """The mask of a plain draw the grammar thread takes next (GrammarStep.drawn): where these pairs are
+        its newest job's, that job's buffer, which the draw waits for on its device (the job stays in
+        flight: the draw's own job queues behind it); else fill()'s."""
+        newest = self._thread.newest
+        if not lines_up(newest, matchers):
+            return self.fill(matchers)
+        self.stats.steps_waited_on_device += 1
+        return GrammarMask(newest.buffer, [row for row, _ in matchers], self._thread.ready(newest))
+
     def fill(self, matchers: list[tuple[int, object]]) -> Optional[GrammarMask]:
-        """The mask of these (logits row, matcher) pairs; None when none needs one (all terminated). Where
-        they are the grammar thread's newest job's, the job's buffer, which the draw waits for on its device."""
+        """The mask of these (logits row, matcher) pairs, the grammar thread's jobs settled first (they moved
+        these matchers and filled most masks); None when none needs one (all terminated)."""
         start = time.perf_counter()
         if self._thread is None:
             bitmask, placed, todo = self._host_bitmask(), [], matchers
         else:
             newest = self._thread.newest
-            if lines_up(newest, matchers):
-                self.stats.mask_seconds += time.perf_counter() - start
-                self.stats.steps_waited_on_device += 1
-                return GrammarMask(newest.buffer, [row for row, _ in matchers], self._thread.ready(newest))
-            self.settle()  # the jobs moved these matchers and filled most masks
+            self.settle()
             bitmask, placed, todo = place_masks(newest, matchers, self._thread.buffer())
         live = [(row, matcher) for row, matcher in todo if not matcher.is_terminated()]
         self._filler.fill(live, bitmask)
@@ -271,8 +277,8 @@ class Grammars:
     def _note_job(self, job) -> None:
         """A settled job's cost and the samples whose grammar it ended (stopped at take_ended())."""
         self.stats.thread_seconds += job.seconds
-        self.stats.rows_filled += len(job.live)
-        self.policy.note_fill(len(job.live), job.fill_seconds)  # masks dear enough to check draws first: not here
+        self.stats.rows_filled += len(job.fills)  # the ended matchers' masks too (grammar_thread._consume_and_fill)
+        self.policy.note_fill(len(job.fills), job.fill_seconds)  # masks dear enough to check draws first: not here
         for matcher in job.ended:
             if matcher.owner is None:  # made outside attach(): nothing to end
                 continue

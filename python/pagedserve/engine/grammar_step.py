@@ -32,9 +32,9 @@ EXPLORE_FILL_EVERY = 64  # while checking: one step in this many fills every mas
 # What a row's mask costs is the least of the last FILL_WINDOW steps that filled every mask: the grammar
 # thread times its fills across hand-overs of the GIL, which only add, and on an H200 host one slow
 # hand-over in a few steps made a plain JSON step look dear, so that the next went to the engine's thread,
-# every other step of 64 rows (bench/results/h200/session38.md); a median kept a grammar's slow first fills
-# (its lexer built) for FILL_WINDOW fills, 5 x EXPLORE_FILL_EVERY steps once checking. Dear masks (strings
-# of bounded length) are dear in every step.
+# every other step of 64 rows (bench/results/h200/session38.md); a median took three cheap fills to forget a
+# grammar's slow first ones (its lexer built), 3 x EXPLORE_FILL_EVERY steps once checking: the H200 probe's
+# JSON steps all stayed on the engine's thread. Dear masks (strings of bounded length) are dear in every step.
 FILL_WINDOW = 5
 
 
@@ -85,7 +85,7 @@ class GrammarStats:
     """Host time and rows of the structured-output masks, summed over the engine's life (the benchmarks
     read them)."""
 
-    mask_seconds: float = 0.0  # filling masks (with the grammar thread: waiting for its masks and placing them)
+    mask_seconds: float = 0.0  # filling masks (with the grammar thread: settling its jobs and placing their masks)
     thread_seconds: float = 0.0  # the grammar thread's accepts and masks (engine/grammar_thread.py)
     steps_waited_on_device: int = 0  # steps whose draw read the thread's masks as they were, waiting on its device
     check_seconds: float = 0.0  # checking drawn tokens (GrammarStep.refused)
@@ -99,26 +99,34 @@ class GrammarStep:
     (`mask`), which rows' drawn tokens the grammars refuse (`refused`), and whether checking draws first
     is expected to pay (`check_first`). The sampler's sample.grammar_mask.MaskSource.
 
-    With `drawn` (the grammar thread takes the step: engine/grammar_thread.py, `threaded`) the masks may
-    still be filling elsewhere (the draw waits for them on its device), and a plain draw, once queued, is
-    handed to `drawn(pairs, pending)` so the thread takes its tokens as they reach the host. Such a step
-    fills every mask, so where masks are dear (CheckFirstPolicy.dear, fed the thread's fill times too)
-    the step is not the thread's: checking draws first pays there."""
+    With `thread` (the grammar thread takes the step: engine/grammar_thread.py, `threaded`), a plain draw
+    takes `threaded_mask()`, whose rows may still be filling on the thread (the draw waits for them on its
+    device), and once queued is handed to `drawn(pending)` so the thread takes its tokens as they reach the
+    host; any other draw takes `mask()`, the thread's jobs settled first. Such a step fills every mask, so
+    where masks are dear (CheckFirstPolicy.dear, fed the thread's fill times too) the step is not the
+    thread's: checking draws first pays there."""
 
     def __init__(self, fill: Callable[[list], Optional[GrammarMask]], matchers: list[tuple[int, object]],
-                 stats: GrammarStats, policy: CheckFirstPolicy, check_first: bool, drawn: Optional[Callable] = None):
-        """check_first: the policy's decision for this step (policy.decide); `drawn` only where it is False."""
+                 stats: GrammarStats, policy: CheckFirstPolicy, check_first: bool,
+                 thread: Optional[tuple[Callable, Callable]] = None):
+        """check_first: the policy's decision for this step (policy.decide); `thread`, only where it is False:
+        the grammar thread's (fill_threaded, drawn) (engine/grammar.py Grammars)."""
         self._fill = fill
         self._matchers = matchers
         self._stats = stats
         self._policy = policy
-        self._drawn = drawn
-        self.threaded = drawn is not None
+        self._thread = thread
+        self.threaded = thread is not None
         self.check_first = check_first
 
+    def threaded_mask(self) -> Optional[GrammarMask]:
+        """The mask of a plain draw that is handed to drawn() next (a threaded step's)."""
+        return self._thread[0](self._matchers)
+
     def drawn(self, pending) -> None:
-        """The step's plain draw is queued (`pending`, its PendingSamples); only a threaded step's."""
-        self._drawn(self._matchers, pending)
+        """The step's plain draw is queued (`pending`, its PendingSamples); a threaded step's, after
+        threaded_mask()."""
+        self._thread[1](self._matchers, pending)
 
     def mask(self, rows: Optional[Sequence[int]] = None) -> Optional[GrammarMask]:
         """The mask of the constrained rows (of those among `rows`, if given); None when none needs one."""

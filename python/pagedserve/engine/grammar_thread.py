@@ -138,10 +138,12 @@ class GrammarThread:
         return done
 
     def close(self) -> None:
-        self.settle()
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        try:
+            self.settle()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
 
     def _run(self, job: _Job) -> None:
         """One job on the grammar thread. Its number is raised as soon as the masks are in, and even where
@@ -151,7 +153,9 @@ class GrammarThread:
         try:
             _consume_and_fill(job, self._executor)
         finally:
-            self._flag[0] = job.number  # after the masks: a device that sees it copies them
+            # After the masks, in program order, which x86 keeps for stores (a weakly ordered host would need a
+            # release fence here): a device that sees the number copies masks that are in.
+            self._flag[0] = job.number
             with self._interval_lock:
                 if job.number == self._submitted:
                     sys.setswitchinterval(self._interval)

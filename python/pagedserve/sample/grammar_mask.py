@@ -47,10 +47,15 @@ class MaskSource(Protocol):
     `grammar` argument where it may check its draws before masking."""
 
     check_first: bool  # whether checking draws before masking is expected to pay
-    threaded: bool  # whether a plain draw's tokens go to the thread that fills the masks (handed over by drawn)
+    threaded: bool  # whether a plain draw's tokens go to the thread that fills the masks (threaded_mask, drawn)
+
+    def threaded_mask(self) -> Optional["GrammarMask"]:
+        """A threaded source's mask for a plain draw that is handed to drawn() next (its rows may still be
+        filling: `ready`)."""
 
     def drawn(self, pending) -> None:
-        """A threaded step's plain draw was queued (its PendingSamples): its tokens may be taken as they arrive."""
+        """A threaded source's plain draw was queued (its PendingSamples): its tokens may be taken as they
+        arrive."""
 
     def mask(self, rows: Optional[Sequence[int]] = None) -> Optional[GrammarMask]:
         """The mask of every constrained row, or of those among `rows`; None when none needs one."""

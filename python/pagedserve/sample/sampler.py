@@ -159,8 +159,8 @@ class Sampler:
                              dtype=torch.float32).to(logits.device, non_blocking=True)
         logits, seed = logits.contiguous(), self._step_seeds.getrandbits(64)
 
-        def draw(mask: Optional[GrammarMask], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-            out = torch.empty(len(rows), dtype=torch.int32, device=logits.device) if out is None else out
+        def draw(mask: Optional[GrammarMask]) -> torch.Tensor:
+            out = torch.empty(len(rows), dtype=torch.int32, device=logits.device)
             allowed = None if mask is None else mask.allowed(len(rows), logits.device)
             ops.sample_tokens(out, logits, inv_t, seed, allowed)
             return out
@@ -168,13 +168,12 @@ class Sampler:
         def ids(host: np.ndarray) -> SamplerOutput:
             return SamplerOutput(token_ids=host.tolist(), logprobs=None)
 
-        if grammar is None or isinstance(grammar, GrammarMask):
-            drawn = draw(grammar)
-            return PendingSamples.copy(drawn, ids, device_ids=drawn)
-        if grammar.threaded:
-            drawn = draw(grammar.mask())
+        source = None if grammar is None or isinstance(grammar, GrammarMask) else grammar
+        if source is None or source.threaded:
+            drawn = draw(grammar if source is None else source.threaded_mask())
             pending = PendingSamples.copy(drawn, ids, device_ids=drawn)
-            grammar.drawn(pending)
+            if source is not None:
+                source.drawn(pending)
             return pending
 
         def checked(host: np.ndarray) -> SamplerOutput:
