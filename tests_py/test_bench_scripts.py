@@ -49,6 +49,7 @@ SCRIPTS = ["perf/throughput.py", "perf/memory_bench.py", "perf/long_workload.py"
            "perf/tp_comm_model.py", "perf/dp_engine_bench.py", "perf/cpu_weight_streaming.py",
            "perf/cpu_step_profile.py", "perf/probes/cpu_decode_rounds.py", "perf/probes/tile_kernels_by_level.py",
            "perf/probes/dense_products_in_graphs.py", "perf/probes/step_phases.py", "perf/probes/llguidance_c_api.py",
+           "perf/probes/llguidance_parallel_fill.py",
            "demos/demos.py", "make_results.py", "numerics/bf16_agreement.py", "numerics/cpu_precision_agreement.py",
            "numerics/tp_agreement.py",
            "numerics/sdpa_numerics.py",
