@@ -10,7 +10,8 @@ unconstrained rows, with a wait on the device for that counter before the masks'
 so it never waits for the masks itself while a batch's rows stay where they were: it commits, records, emits
 and schedules, and such steps run ahead. (Session 37's version queued the draw only once the masks were in,
 just before the next forward: the engine's thread waited ~0.2 ms a step for them and queued the draw then,
-~0.3 ms more: 71-84 % of unconstrained, bench/results/h200/session37.md.) Where masks are dear (strings of
+~0.3 ms more. JSON on an H200 host, 64 rows: 64-75 % of unconstrained that way, 83-85 % this way in the same
+call, bench/results/h200/session38.md; the job is now what the device waits for.) Where masks are dear (strings of
 bounded length: ~13 ms a step there) the thread cannot keep up; those steps stay on the engine's thread,
 which checks draws first (engine/grammar.py Grammars.step).
 
@@ -24,9 +25,10 @@ thread 1.33 ms at 5 ms, 0.72 ms at 50 us, 0.62 ms at 20 us, the engine's own loo
 Jobs run in the order submitted, one at a time: `submit(pairs, pending)` when step k's draw is queued; the
 job has each (row, matcher) pair consume the token of its row, fills the matchers' masks into rows of a
 buffer of its own (the same row numbers; an ended matcher's row holds a mask of EOS alone), then raises the
-flag to its number. Step k + 1's draw reads that buffer as it is when its (row, matcher) pairs are the job's
-(`lines_up`), after `ready` waits (on the device) for the job; otherwise the engine's thread settles every
-job and `place_masks` copies the rows it can. `settle(keep_newest)` waits for jobs and hands them back (their
+flag to its number. Step k + 1's plain draw, which the thread takes next, reads that buffer as it is when
+its (row, matcher) pairs are the job's (`lines_up`), after `ready` waits (on the device) for the job;
+otherwise (other pairs, or a draw the thread does not take: logprobs, top-p) the engine's thread settles
+every job and `place_masks` copies the rows it can. `settle(keep_newest)` waits for jobs and hands them back (their
 matchers are the caller's again). Only Grammars (engine/grammar.py) drives this class, on the engine's thread.
 """
 
