@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import random
 import sys
 import time
@@ -65,7 +64,8 @@ def main() -> None:
     import llguidance.hf
     from transformers import AutoTokenizer
 
-    from pagedserve.engine.grammar_backends import MAX_WHITESPACE_RUN
+    from pagedserve import StructuredOutputsParams
+    from pagedserve.engine.grammar_backends import LLGuidanceBackend
     from pagedserve.models.default_model import model_path
 
     model_dir = model_path(None)
@@ -83,8 +83,7 @@ def main() -> None:
         sys.exit(f"llg_new_tokenizer_v2: {error.value.decode()}")
     constraint_init = ctypes.create_string_buffer(4096)  # LlgConstraintInit, whatever its size in this version
     lib.llg_constraint_init_set_defaults(constraint_init, ctypes.c_void_p(c_tokenizer))
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(LONG_SCHEMA), overrides={
-        "whitespace_flexible": True, "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE_RUN}}}"})
+    grammar = LLGuidanceBackend.grammar_text(StructuredOutputsParams(json=LONG_SCHEMA))  # as the engine compiles it
     c_matcher = lib.llg_new_matcher(constraint_init, b"llguidance", grammar.encode())
     if lib.llg_matcher_get_error(c_matcher):
         sys.exit(f"llg_new_matcher: {lib.llg_matcher_get_error(c_matcher).decode()}")

@@ -59,14 +59,14 @@ def main() -> None:
     import llguidance.hf
     from transformers import AutoTokenizer
 
-    from pagedserve.engine.grammar_backends import MAX_WHITESPACE_RUN
+    from pagedserve import StructuredOutputsParams
+    from pagedserve.engine.grammar_backends import LLGuidanceBackend
     from pagedserve.models.default_model import model_path
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_path(None)), local_files_only=True)
     vocab = 49152
     ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=[tokenizer.eos_token_id])
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(LONG_SCHEMA), overrides={
-        "whitespace_flexible": True, "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{MAX_WHITESPACE_RUN}}}"})
+    grammar = LLGuidanceBackend.grammar_text(StructuredOutputsParams(json=LONG_SCHEMA))  # as the engine compiles it
     text = json.dumps([f"{word} {i}" for i, word in enumerate(_FRUITS * 6)], indent=2)
     text_ids = tokenizer.encode(text, add_special_tokens=False)
     compiled = [llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0) for _ in range(2)]

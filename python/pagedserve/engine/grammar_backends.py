@@ -108,7 +108,7 @@ class LLGuidanceBackend:
         import llguidance
 
         try:
-            template = llguidance.LLMatcher(self._tokenizer, self._grammar(spec), log_level=0)
+            template = llguidance.LLMatcher(self._tokenizer, self.grammar_text(spec), log_level=0)
             error = template.get_error() if template.is_error() else None
         except ValueError as err:
             error = str(err)
@@ -122,7 +122,8 @@ class LLGuidanceBackend:
         raise ValueError(error)
 
     @staticmethod
-    def _grammar(spec: StructuredOutputsParams) -> str:
+    def grammar_text(spec: StructuredOutputsParams) -> str:
+        """The llguidance grammar a spec compiles from (the probes under bench/perf/probes build matchers of it)."""
         import llguidance
 
         if spec.kind == "json":  # the JSON that xgrammar's settings (XgrammarBackend._compile) allow
