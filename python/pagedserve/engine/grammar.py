@@ -111,7 +111,7 @@ class Grammars:
         self._bitmask: Optional[torch.Tensor] = None
         self._words = (vocab_size + 31) // 32  # a mask row's int32 words
         self._thread = GrammarThread(max_rows, self._words, pin_memory) if thread else None
-        self._thread_takes: set[int] = set()  # id() of the matchers whose latest step's tokens the thread takes
+        self._thread_takes: dict[int, int] = {}  # id() of the matchers whose latest step's tokens the thread takes
         self._filler = MaskFiller(min(os.cpu_count() or 1, _FILL_THREADS))
         self._ended: list[tuple[object, object]] = []  # (request, sample) whose grammar terminated
         self.stats = GrammarStats()
@@ -221,7 +221,7 @@ class Grammars:
     def step(self, matchers: list[tuple[int, object]]) -> Optional[GrammarStep]:
         """The grammars of a step's (logits row, matcher) pairs for the sampler; None when there are none.
         Called once a step, after the last step's tokens were recorded."""
-        self._thread_takes = set()
+        self._thread_takes = {}
         if not matchers:
             return None
         # The thread's masks cost the engine's thread little, so it takes every step it can keep up with: its
@@ -239,8 +239,7 @@ class Grammars:
 
     def _drawn(self, matchers: list[tuple[int, object]], pending) -> None:
         """The step's plain draw is queued: its tokens go to the grammar thread, not through accept()."""
-        self._thread_takes = {id(m) for _, m in matchers}
-        self._thread.submit(matchers, pending)
+        self._thread_takes = self._thread.submit(matchers, pending).row_of  # keyed by id(matcher)
 
     def fill_threaded(self, matchers: list[tuple[int, object]]) -> Optional[GrammarMask]:
         """The mask of a plain draw the grammar thread takes next (GrammarStep.drawn): where these pairs are

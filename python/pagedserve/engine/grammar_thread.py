@@ -104,10 +104,10 @@ class GrammarThread:
         """The last job submitted, if it is not settled."""
         return self._jobs[-1] if self._jobs else None
 
-    def submit(self, pairs: list[tuple[int, object]], pending) -> None:
+    def submit(self, pairs: list[tuple[int, object]], pending) -> _Job:
         """Step's (row, matcher) pairs take their row's token from `pending` (a queued plain draw) and fill
         their next masks, after the jobs before; the engine's thread must not touch these matchers until
-        settle() returns this job."""
+        settle() returns this job (returned)."""
         if self._pool is None:
             import llguidance
 
@@ -119,6 +119,7 @@ class GrammarThread:
             sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL))  # while jobs are queued: see above
         job.future = self._pool.submit(self._run, job)
         self._jobs.append(job)
+        return job
 
     def ready(self, job: _Job) -> Callable[[torch.device], None]:
         """What makes a device wait for `job`'s masks before it reads them (GrammarMask's `ready`)."""
