@@ -155,8 +155,9 @@ def test_llguidance_matcher_fills_xgrammar_layout(llm):
 
 
 def test_mask_filler_writes_each_row_as_its_matcher_would(llm):
-    """One step's batch fill (engine/grammar_backends.py MaskFiller: xgrammar's pool and llguidance's executor
+    """One step's batch fill (engine/grammar_backends.py MaskFiller: xgrammar's pool and llguidance's GrammarPool
     into one bitmask) writes, in each pair's row, what that matcher fills alone, and leaves the other rows."""
+    from pagedserve._core.grammar import GrammarPool
     from pagedserve.engine.grammar_backends import MaskFiller
 
     engine = llm.llm_engine
@@ -171,7 +172,7 @@ def test_mask_filler_writes_each_row_as_its_matcher_would(llm):
             assert matcher.accept_token(token)
     pairs = [(5, matchers[0]), (0, matchers[1]), (2, matchers[2]), (6, matchers[3])]  # rows out of order
     batch = torch.full((8, (vocab + 31) // 32), -1, dtype=torch.int32)
-    MaskFiller(2).fill(pairs, batch)
+    MaskFiller(2, GrammarPool(2)).fill(pairs, batch)
     alone = torch.zeros((1, batch.shape[1]), dtype=torch.int32)
     for row, matcher in pairs:
         matcher.fill_next_token_bitmask(alone, 0)

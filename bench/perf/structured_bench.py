@@ -14,7 +14,8 @@ tools template: a structural tag over free text (calls after <tool_call> must be
 sample plainly (temperature 0.7): where a step's masks cost more than CHECK_FIRST_SECONDS, each draw is
 checked by the grammar and only refused rows get a mask and draw again (engine/grammar_step.py); the
 table gives the refused share and both host costs. Last, the JSON schema case's outputs are replayed through
-each backend's masks (xgrammar on 1..N threads, llguidance on its one): what a step's masks cost the host.
+each backend's masks (xgrammar on 1..N threads, llguidance on 1, 2 and 4 threads of its GrammarPool): what a
+step's masks cost the host.
 
     PYTHONPATH=python python bench/perf/structured_bench.py [--device cpu] [--runs 2]
     python bench/perf/structured_bench.py --quick     # 4 requests, 16 tokens: checks the script works
@@ -189,14 +190,15 @@ def main() -> None:
 
 def mask_replay(engine, written: list[list[int]]) -> list[dict]:
     """Host ms a step to fill the masks of `written` (token ids the engine wrote under LONG_SCHEMA), every
-    row in one batch fill a step as the engine fills them: xgrammar by thread count, llguidance on its one
-    thread (engine/grammar_backends.py MaskFiller)."""
+    row in one batch fill a step as the engine fills them (engine/grammar_backends.py MaskFiller): xgrammar
+    and llguidance (its GrammarPool, cpp/grammar/grammar_pool.h) by thread count."""
     import os
     import statistics
 
     import torch
 
     from pagedserve import StructuredOutputsParams
+    from pagedserve._core.grammar import GrammarPool
     from pagedserve.engine.grammar import Grammars
     from pagedserve.engine.grammar_backends import MaskFiller
 
@@ -206,9 +208,11 @@ def mask_replay(engine, written: list[list[int]]) -> list[dict]:
     cpus = os.cpu_count() or 1
     compiled = {backend: Grammars(info.model_path, info.limits.vocab_size, engine.eos_token_ids, max_rows=1,
                                   backend=backend).compile(spec) for backend in ("xgrammar", "llguidance")}
-    runs = [("xgrammar", t) for t in sorted({1, 2, 4, 8, 16, cpus}) if t <= cpus] + [("llguidance", 1)]
+    runs = ([("xgrammar", t) for t in sorted({1, 2, 4, 8, 16, cpus}) if t <= cpus]
+            + [("llguidance", t) for t in (1, 2, 4) if t <= cpus])
     for backend, threads in runs:
-        filler, matchers, steps, filled = MaskFiller(threads), [compiled[backend].new_matcher() for _ in written], [], 0
+        filler = MaskFiller(threads, GrammarPool(threads if backend == "llguidance" else 1))
+        matchers, steps, filled = [compiled[backend].new_matcher() for _ in written], [], 0
         for position in range(max(map(len, written), default=0)):
             live = [(row, m) for row, m in enumerate(matchers) if position < len(written[row]) and not m.is_terminated()]
             start = time.perf_counter()

@@ -7,6 +7,8 @@ PYBIND11_MODULE(_core, m) {
   auto ops = m.def_submodule("ops", "CPU reference ops (torch CPU tensors in, via DLPack)");
   pagedserve::bindings::bind_ops(ops);
   pagedserve::bindings::bind_decoder_stack(ops);
+  auto grammar = m.def_submodule("grammar", "llguidance's C API and the grammar pool");
+  pagedserve::bindings::bind_grammar(grammar);
 #ifdef PAGEDSERVE_WITH_CUDA
   auto cuda_ops = m.def_submodule("cuda_ops", "CUDA kernels, launched on the caller's stream");
   pagedserve::bindings::bind_cuda_ops(cuda_ops);

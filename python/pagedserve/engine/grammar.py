@@ -37,8 +37,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from pagedserve._core.grammar import GrammarPool
 from pagedserve.engine.grammar_backends import (CompiledGrammar, LLGuidanceBackend, LLGuidanceMatcher, MaskFiller,
-                                                XgrammarBackend)
+                                                XgrammarBackend, grammar_pool_threads)
 from pagedserve.engine.grammar_step import CHECK_FIRST_SECONDS, CheckFirstPolicy, GrammarStats, GrammarStep
 from pagedserve.engine.grammar_thread import GrammarThread, lines_up, place_masks
 from pagedserve.engine_config import STRUCTURED_OUTPUTS_BACKENDS
@@ -52,8 +53,8 @@ _CACHE_SIZE = 256
 
 # Threads filling a step's xgrammar masks: 64 masks took 1.08-1.77 / 0.86-1.14 / 0.51-0.65 / 0.46-0.54 /
 # 0.62-0.69 ms on 1 / 2 / 4 / 8 / 16 threads of an H200 host's 16 cores (every row mid-string, four runs of
-# structured_bench.py, session 31): past 8, the pool's overhead outgrows the work. llguidance's masks take one
-# thread (MaskFiller).
+# structured_bench.py, session 31): past 8, the pool's overhead outgrows the work. llguidance's take a
+# GrammarPool (grammar_pool_threads).
 _FILL_THREADS = 8
 
 
@@ -110,9 +111,10 @@ class Grammars:
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._bitmask: Optional[torch.Tensor] = None
         self._words = (vocab_size + 31) // 32  # a mask row's int32 words
-        self._thread = GrammarThread(max_rows, self._words, pin_memory) if thread else None
+        pool = GrammarPool(grammar_pool_threads())  # llguidance's accepts and masks, on either thread
+        self._thread = GrammarThread(max_rows, self._words, pin_memory, pool) if thread else None
         self._thread_takes: dict[int, int] = {}  # id() of the matchers whose latest step's tokens the thread takes
-        self._filler = MaskFiller(min(os.cpu_count() or 1, _FILL_THREADS))
+        self._filler = MaskFiller(min(os.cpu_count() or 1, _FILL_THREADS), pool)
         self._ended: list[tuple[object, object]] = []  # (request, sample) whose grammar terminated
         self.stats = GrammarStats()
         self.policy = CheckFirstPolicy(check_first_seconds)  # whether a step checks draws before masking
@@ -276,8 +278,8 @@ class Grammars:
     def _note_job(self, job) -> None:
         """A settled job's cost and the samples whose grammar it ended (stopped at take_ended())."""
         self.stats.thread_seconds += job.seconds
-        self.stats.rows_filled += len(job.fills)  # the ended matchers' masks too (grammar_thread._consume_and_fill)
-        self.policy.note_fill(len(job.fills), job.fill_seconds)  # masks dear enough to check draws first: not here
+        self.stats.rows_filled += len(job.rows)  # the ended matchers' masks too (grammar_thread._consume_and_fill)
+        self.policy.note_fill(len(job.rows), job.fill_seconds)  # masks dear enough to check draws first: not here
         for matcher in job.ended:
             if matcher.owner is None:  # made outside attach(): nothing to end
                 continue

@@ -20,6 +20,8 @@ xgrammar's GrammarMatcher that the engine already uses:
 from __future__ import annotations
 
 import json
+import os
+from copy import copy
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -94,10 +96,22 @@ class LLGuidanceBackend:
     kinds = ("json", "regex", "grammar", "structural_tag")  # structural tags: the legacy form only
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
+        """ValueError where llguidance's C API cannot be loaded or reads the tokenizer differently from
+        transformers (the engine then uses xgrammar alone)."""
+        import llguidance._lib
         import llguidance.hf
 
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                       eos_token=list(eos_token_ids) or None)
+        from pagedserve._core import grammar as core_grammar
+
+        eos = list(eos_token_ids) or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        backend = copy(tokenizer.backend_tokenizer)  # as llguidance.hf.from_tokenizer reads it
+        backend.no_padding()
+        backend.no_truncation()
+        # Where a grammar forces text, llguidance allows that text's own tokens, as the model's tokenizer (its
+        # Python tokenizer's, the tokenizers crate) splits them: see cpp/grammar/llguidance_api.h.
+        py_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos or None)
+        self._tokenizer = core_grammar.LlgTokenizer(llguidance._lib.__file__, backend.to_str(), vocab_size, eos,
+                                                    py_tokenizer.tokenize_bytes)
         _check_reads_alike(tokenizer, self._tokenizer)
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
@@ -105,15 +119,12 @@ class LLGuidanceBackend:
         json schema with keywords llguidance does not implement (uniqueItems, not, if/then,
         dependentRequired, ...): xgrammar, the other backend, compiles those but ignores them, and its output
         could break them."""
-        import llguidance
+        from pagedserve._core import grammar as core_grammar
 
-        try:
-            template = llguidance.LLMatcher(self._tokenizer, self.grammar_text(spec), log_level=0)
-            error = template.get_error() if template.is_error() else None
-        except ValueError as err:
-            error = str(err)
+        template = core_grammar.LlgMatcher(self._tokenizer, self.grammar_text(spec))
+        error = template.error
         if error is None:
-            return CompiledGrammar(self.name, lambda: LLGuidanceMatcher(template.deep_copy()))
+            return CompiledGrammar(self.name, lambda: LLGuidanceMatcher(template.clone()))
         if spec.kind == "json" and error.startswith(_UNIMPLEMENTED):
             keys = error.splitlines()[0].removeprefix(_UNIMPLEMENTED).strip()
             raise RequestError(f"structured_outputs: the json schema uses keywords that are not enforced here: {keys}; "
@@ -150,7 +161,7 @@ def _check_reads_alike(hf_tokenizer, ll_tokenizer) -> None:
     plain ByteLevel decoder (models/tokenizer_json.py); a model directory made elsewhere may still have it."""
     ids = hf_tokenizer.encode(_PROBE, add_special_tokens=False)
     expected = hf_tokenizer.decode(ids, clean_up_tokenization_spaces=False).encode("utf-8")
-    got = bytes(ll_tokenizer.decode_bytes(ids))
+    got = ll_tokenizer.decode(ids)
     if got.strip() != expected.strip():
         raise ValueError(f"llguidance reads this tokenizer differently from transformers ({expected!r} as {got!r}); "
                          f"it is not used")
@@ -193,7 +204,8 @@ def accepts(matcher, token: int) -> bool:
 
 
 class LLGuidanceMatcher:
-    """llguidance's LLMatcher behind xgrammar's GrammarMatcher interface (see the module docstring)."""
+    """llguidance's matcher (its C API, pagedserve._core.grammar.LlgMatcher: cpp/grammar/llguidance_api.h)
+    behind xgrammar's GrammarMatcher interface (see the module docstring)."""
 
     def __init__(self, matcher):
         self._matcher = matcher
@@ -201,64 +213,67 @@ class LLGuidanceMatcher:
 
     @property
     def raw(self):
-        """The llguidance.LLMatcher itself (MaskFiller hands it to llguidance's executor)."""
+        """The LlgMatcher itself (GrammarPool.run takes it)."""
         return self._matcher
 
     def accept_token(self, token: int) -> bool:
-        return self._matcher.consume_token(token)
+        return self._matcher.consume(token)
 
     def accepts(self, token: int) -> bool:
         """Whether the matcher would consume `token`, without consuming it."""
-        return self._matcher.validate_tokens([token]) == 1
+        return self._matcher.accepts(token)
 
     def is_terminated(self) -> bool:
         """Stopped (its EOS consumed, or nothing can follow) or in error (a refused token): no more masks."""
-        return self._matcher.is_stopped() or self._matcher.is_error()
+        return self._matcher.is_stopped()
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Writes the row in place. (llguidance.torch has the same helper, but importing it builds a
-        torch.compile kernel, which is slow and not needed here.)"""
+        """Writes the row in place."""
         words = bitmask[row]
-        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not words.is_contiguous():
-            raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
-        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
+        _check_host_bitmask(bitmask)
+        self._matcher.fill(words.data_ptr(), words.numel())
 
     @property
     def error(self) -> Optional[str]:
-        return self._matcher.get_error() if self._matcher.is_error() else None
+        return self._matcher.error
+
+
+def _check_host_bitmask(bitmask: torch.Tensor) -> None:
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+        raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
+
+
+def grammar_pool_threads() -> int:
+    """Threads of the GrammarPool that takes llguidance's rows: a quarter of the cores, 1 to 4 (4 was the
+    fastest on an H200 host's 16 cores, cpp/grammar/grammar_pool.h); one, the caller's, on machines of fewer
+    than 8 cores, where the engine's own thread and torch's need them."""
+    return min(4, max(1, (os.cpu_count() or 1) // 4))
 
 
 class MaskFiller:
     """Fills a step's masks, each backend's rows in one call (pools made on first use): xgrammar's on
     `xgrammar_threads` threads of its BatchGrammarMatcher, which holds the GIL throughout; llguidance's on
-    one thread of its LLExecutor, which drops it. More threads made llguidance slower: 64 rows of SmolLM2's
-    JSON took 0.70 / 0.88 / 0.94 / 1.08 ms a step on 1 / 2 / 4 / 8 threads of an H200 host (xgrammar's:
-    3.97 / 2.35 / 1.30 / 0.96), and a pool shares the cores with torch's threads, which the one thread
-    did not feel (bench/results/h200/session34.md). Rows of both backends share the bitmask."""
+    `pool`, a GrammarPool, which drops it. Rows of both backends share the bitmask."""
 
-    def __init__(self, xgrammar_threads: int):
+    def __init__(self, xgrammar_threads: int, pool):
         self._xgrammar_threads = xgrammar_threads
         self._xgrammar = None
-        self._llguidance = None
+        self._pool = pool
 
     def fill(self, pairs: Sequence[tuple[int, object]], bitmask: torch.Tensor) -> None:
         """Writes the mask of each (row, matcher) pair into its row of `bitmask` (contiguous int32, on the
         host); terminated matchers are the caller's to leave out."""
-        xgr_rows, xgr_matchers, llg = [], [], []
+        xgr_rows, xgr_matchers, llg_rows, llg = [], [], [], []
         for row, matcher in pairs:
             if isinstance(matcher, LLGuidanceMatcher):
-                llg.append((matcher.raw, row))
+                llg_rows.append(row)
+                llg.append(matcher.raw)
             else:
                 xgr_rows.append(row)
                 xgr_matchers.append(matcher)
         if llg:
-            if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
-                raise ValueError("the bitmask must be a contiguous int32 CPU tensor")
-            if self._llguidance is None:
-                import llguidance
-
-                self._llguidance = llguidance.LLExecutor(num_threads=1)
-            self._llguidance.unsafe_compute_mask_ptr(llg, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+            _check_host_bitmask(bitmask)
+            self._pool.run(llg, None, llg_rows, bitmask.data_ptr(), bitmask.shape[0], bitmask.shape[1])
         if xgr_matchers:
             if self._xgrammar is None:
                 import xgrammar as xgr

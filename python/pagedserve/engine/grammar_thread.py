@@ -15,12 +15,14 @@ call, bench/results/h200/session38.md; the job is now what the device waits for.
 bounded length: ~13 ms a step there) the thread cannot keep up; those steps stay on the engine's thread,
 which checks draws first (engine/grammar.py Grammars.step).
 
-Both llguidance calls (consume_token_par, unsafe_compute_mask_ptr) drop the GIL; between them the
-thread needs it back. Python hands it over only every sys.getswitchinterval() (5 ms by default) to a
-thread that asks while another runs Python, so while jobs are queued the interval is SWITCH_INTERVAL (other
-threads, xgrammar's pool among them, keep the process's own otherwise). On a 2-core Zen 5 VM, 64 rows
-of SmolLM2's JSON while the other thread ran Python: 0.39 ms a step on the engine's thread; on this
-thread 1.33 ms at 5 ms, 0.72 ms at 50 us, 0.62 ms at 20 us, the engine's own loop slowed by ~1 %.
+The job's accepts and masks are one call of a GrammarPool (cpp/grammar/grammar_pool.h: llguidance's C API on
+up to four threads, the GIL dropped), which also raises the flag. The thread needs the GIL only around it:
+once the draw's ids are in, and after. Python hands it over only every sys.getswitchinterval() (5 ms by
+default) to a thread that asks while another runs Python, so while jobs are queued the interval is
+SWITCH_INTERVAL (other threads, xgrammar's pool among them, keep the process's own otherwise). On a 2-core
+Zen 5 VM, 64 rows of SmolLM2's JSON (llguidance's Python executor then, two calls a job) while the other
+thread ran Python: 0.39 ms a step on the engine's thread; on this thread 1.33 ms at 5 ms, 0.72 ms at
+50 us, 0.62 ms at 20 us, the engine's own loop slowed by ~1 %.
 
 Jobs run in the order submitted, one at a time: `submit(pairs, pending)` when step k's draw is queued; the
 job has each (row, matcher) pair consume the token of its row, fills the matchers' masks into rows of a
@@ -53,15 +55,14 @@ WAIT_SECONDS = 60.0  # a draw waiting longer than this for its masks goes on wit
 
 class _Job:
     """One step's tokens to consume and masks to fill. Made on the engine's thread, which also lists the
-    matchers' llguidance objects and rows, so the grammar thread holds the GIL as briefly as it can."""
+    matchers' LlgMatchers and rows, so the grammar thread holds the GIL as briefly as it can."""
 
     def __init__(self, number: int, pairs: list[tuple[int, object]], pending, buffer: torch.Tensor):
         self.number = number  # the flag's value once the job is done: 1, 2, ... in order
         self.pairs = pairs  # (row, LLGuidanceMatcher)
         self.raws = [m.raw for _, m in pairs]
         self.rows = [row for row, _ in pairs]
-        self.fills = list(zip(self.raws, self.rows))  # (llguidance matcher, buffer row), as its executor takes them
-        self.dense = self.rows[-1] == len(self.rows) - 1  # rows 0..n-1: the draw's ids as they are
+        self.dense = self.rows[-1] == len(self.rows) - 1  # rows 0..n-1: the draw's first ids as they are
         self.row_of = {id(m): row for row, m in pairs}
         self.pending = pending  # the step's PendingSamples
         self.buffer = buffer
@@ -69,7 +70,7 @@ class _Job:
         self.ended: list[object] = []  # matchers that refused their token or terminated
         self.accepted: list[bool] = []  # per pair: whether its matcher took its token
         self.seconds = 0.0  # consuming and filling, not waiting for the draw
-        self.fill_seconds = 0.0  # filling alone
+        self.fill_seconds = 0.0  # the same: the pool does both in one pass (CheckFirstPolicy's row cost)
         self.future: Optional[Future] = None  # the pool's, once submitted
 
 
@@ -78,7 +79,8 @@ class GrammarThread:
     before finalization. (A daemon thread that had waited on a CUDA event was killed in finalization
     instead: "terminate called without an active exception" on an H200 host, after the results.)"""
 
-    def __init__(self, max_rows: int, words: int, pin_memory: bool):
+    def __init__(self, max_rows: int, words: int, pin_memory: bool, pool):
+        """pool: the GrammarPool (pagedserve._core.grammar) that runs a job's accepts and masks."""
         self._buffers = [torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin_memory)
                          for _ in range(_RING)]
         self._next_buffer = 0
@@ -87,7 +89,7 @@ class GrammarThread:
         self.flag = torch.zeros(2, dtype=torch.int64, pin_memory=pin_memory)
         self._flag = self.flag.numpy()
         self._pool: Optional[ThreadPoolExecutor] = None
-        self._executor = None  # llguidance's
+        self._grammar_pool = pool
         self._jobs: deque[_Job] = deque()  # submitted, not settled, oldest first
         self._submitted = 0
         self._interval = sys.getswitchinterval()  # the process's own, back once no job is queued
@@ -109,9 +111,6 @@ class GrammarThread:
         their next masks, after the jobs before; the engine's thread must not touch these matchers until
         settle() returns this job (returned)."""
         if self._pool is None:
-            import llguidance
-
-            self._executor = llguidance.LLExecutor(num_threads=1)  # more were slower: MaskFiller
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
         with self._interval_lock:
             self._submitted += 1
@@ -154,30 +153,27 @@ class GrammarThread:
         ended is sorted out after (the engine reads it once it settles the job); the process's switch
         interval is back once no job is queued."""
         try:
-            _consume_and_fill(job, self._executor)
+            _consume_and_fill(job, self._grammar_pool, self.flag)
         finally:
-            # After the masks, in program order, which x86 keeps for stores (a weakly ordered host would need a
-            # release fence here): a device that sees the number copies masks that are in.
-            self._flag[0] = job.number
+            self._flag[0] = job.number  # raised already (a release store), unless the job failed before the pool
             with self._interval_lock:
                 if job.number == self._submitted:
                     sys.setswitchinterval(self._interval)
         _sort_ended(job)
 
 
-def _consume_and_fill(job: _Job, executor) -> None:
-    """The critical path: the draw's tokens in, every matcher's next mask out. Ended matchers are filled
-    too (llguidance gives one that stopped or refused its token a mask of EOS alone): their sequences stop
-    at the next record, which drops the token drawn here. Sorting them out between the two calls put a
-    wait for the GIL (up to SWITCH_INTERVAL) and ~11 us of Python (64 rows, a Zen 5 core) on this path."""
+def _consume_and_fill(job: _Job, pool, flag: torch.Tensor) -> None:
+    """The critical path: the draw's tokens in, every matcher's next mask out, the flag raised to the job's
+    number, all in one call of the GrammarPool, which drops the GIL. Ended matchers are filled too (a
+    matcher that stopped or refused its token gives a mask of EOS alone): their sequences stop at the next
+    record, which drops the token drawn here. Sorting them out here would put a wait for the GIL (up to
+    SWITCH_INTERVAL) and ~11 us of Python (64 rows, a Zen 5 core) on this path."""
     ids = job.pending.host_ids().tolist()  # waits for the draw (the GIL dropped)
     start = time.perf_counter()
-    job.accepted = executor.consume_token_par(list(zip(job.raws, ids if job.dense else [ids[r] for r in job.rows])))
-    fill_start = time.perf_counter()
     buffer = job.buffer
-    executor.unsafe_compute_mask_ptr(job.fills, buffer.data_ptr(), buffer.shape[1] * 4, buffer.shape[0])
-    job.fill_seconds = time.perf_counter() - fill_start
-    job.seconds = time.perf_counter() - start
+    job.accepted = pool.run(job.raws, ids[:len(job.rows)] if job.dense else [ids[r] for r in job.rows], job.rows,
+                            buffer.data_ptr(), buffer.shape[0], buffer.shape[1], flag.data_ptr(), job.number)
+    job.seconds = job.fill_seconds = time.perf_counter() - start
 
 
 def _sort_ended(job: _Job) -> None:

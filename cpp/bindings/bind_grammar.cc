@@ -1,0 +1,88 @@
+#include <pybind11/stl.h>
+
+#include <optional>
+
+#include "bindings.h"
+#include "grammar/grammar_pool.h"
+#include "grammar/llguidance_api.h"
+
+namespace py = pybind11;
+
+namespace pagedserve::bindings {
+
+using grammar::GrammarPool;
+using grammar::Matcher;
+using grammar::Tokenizer;
+
+namespace {
+
+// A Python callable as a Tokenizer::TokenizeFn: llguidance calls it from any thread, so each call takes the
+// GIL, and the last copy lets go of the callable under it too.
+Tokenizer::TokenizeFn python_tokenize(py::object fn) {
+  if (fn.is_none()) return nullptr;
+  auto held = std::shared_ptr<py::object>(new py::object(std::move(fn)), [](py::object* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+  return [held](std::string_view bytes) {
+    py::gil_scoped_acquire gil;
+    return (*held)(py::bytes(bytes.data(), bytes.size())).cast<std::vector<uint32_t>>();
+  };
+}
+
+// Host memory given as an address (a torch tensor's data_ptr()); the Python side checks dtype and shape.
+template <typename T>
+T* host_pointer(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+}  // namespace
+
+void bind_grammar(py::module_& m) {
+  py::class_<Tokenizer, std::shared_ptr<Tokenizer>>(
+      m, "LlgTokenizer", "llguidance's view of a tokenizer, through its C API (see cpp/grammar/llguidance_api.h).")
+      .def(py::init([](const std::string& library, const std::string& json, uint32_t vocab_size,
+                       const std::vector<uint32_t>& eos_ids, py::object tokenize) {
+             return std::make_shared<Tokenizer>(library, json, vocab_size, eos_ids, python_tokenize(tokenize));
+           }), py::arg("library"), py::arg("tokenizer_json"), py::arg("vocab_size"), py::arg("eos_ids"),
+           py::arg("tokenize") = py::none(),
+           "tokenize: bytes -> token ids (called with the GIL, from any thread); None: llguidance's greedy one.")
+      .def("decode", [](const Tokenizer& t, const std::vector<uint32_t>& ids) { return py::bytes(t.decode(ids)); },
+           py::arg("ids"), "The tokens' bytes as llguidance reads them, special tokens included.")
+      .def_property_readonly("vocab_size", &Tokenizer::vocab_size)
+      .def_property_readonly("eos_ids", &Tokenizer::eos_ids);
+
+  py::class_<Matcher>(m, "LlgMatcher", "One sample's llguidance matcher (cpp/grammar/llguidance_api.h).")
+      .def(py::init([](std::shared_ptr<Tokenizer> tokenizer, const std::string& grammar) {
+             return Matcher(std::move(tokenizer), grammar);
+           }), py::arg("tokenizer"), py::arg("grammar"))
+      .def("clone", &Matcher::clone)
+      .def("consume", &Matcher::consume, py::arg("token"))
+      .def("accepts", &Matcher::accepts, py::arg("token"))
+      .def("is_stopped", &Matcher::is_stopped)
+      .def("is_error", &Matcher::is_error)
+      .def_property_readonly("error", &Matcher::error)
+      .def_property_readonly("mask_words", &Matcher::mask_words)
+      .def("fill", [](Matcher& matcher, uintptr_t words, size_t num_words) {
+             matcher.fill(host_pointer<uint32_t>(words), num_words);
+           }, py::arg("words"), py::arg("num_words"), "Writes the next mask at host address `words`.");
+
+  py::class_<GrammarPool>(m, "GrammarPool", "A step's accepts and masks over threads (cpp/grammar/grammar_pool.h).")
+      .def(py::init<int>(), py::arg("num_threads"))
+      .def_property_readonly("num_threads", &GrammarPool::num_threads)
+      .def("run", [](GrammarPool& pool, const std::vector<Matcher*>& matchers,
+                     const std::optional<std::vector<int64_t>>& tokens, const std::vector<int64_t>& rows,
+                     uintptr_t bitmask, int64_t num_rows, int64_t row_words, uintptr_t flag, int64_t number) {
+             std::span<const int64_t> token_span;
+             if (tokens) token_span = *tokens;
+             py::gil_scoped_release release;
+             return pool.run(matchers, token_span, rows, host_pointer<uint32_t>(bitmask), num_rows, row_words,
+                             host_pointer<int64_t>(flag), number);
+           }, py::arg("matchers"), py::arg("tokens"), py::arg("rows"), py::arg("bitmask"), py::arg("num_rows"),
+           py::arg("row_words"), py::arg("flag") = 0, py::arg("number") = 0,
+           "Each matcher consumes its token (tokens may be None), then fills its row of the int32 bitmask at host "
+           "address `bitmask`; the int64 at `flag` (0: none) becomes `number` once the masks are in. Whether each "
+           "took its token, as bytes-like 0/1 values. The GIL is dropped throughout.");
+}
+
+}  // namespace pagedserve::bindings
