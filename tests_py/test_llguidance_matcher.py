@@ -209,3 +209,21 @@ def test_forced_text_takes_the_model_tokenizers_tokens(hf_tokenizer, vocab, eos_
     assert hf_tokenizer.convert_tokens_to_ids("name") in masks["model's"]
     assert not masks["model's"] & set(ids.values())
     assert set(ids.values()) <= masks["greedy"]
+
+
+def test_each_forced_text_is_tokenized_once(hf_tokenizer, vocab, eos_ids):
+    """The tokens of a forced text are kept: Python's tokenizer (under the GIL) runs once a text, not each
+    time a pool thread's mask needs it."""
+    py = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab, eos_token=eos_ids)
+    asked = []
+    tokenizer = core.LlgTokenizer(llguidance._lib.__file__, tokenizer_json(hf_tokenizer), vocab, eos_ids,
+                                  lambda text: asked.append(text) or py.tokenize_bytes(text))
+    grammar = LLGuidanceBackend.grammar_text(StructuredOutputsParams(json={
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"]}, disable_any_whitespace=True))
+    for _ in range(3):  # the same walk three times: the same forced texts
+        matcher = core.LlgMatcher(tokenizer, grammar)
+        for token in hf_tokenizer.encode('{"a": 1, "b": 2}', add_special_tokens=False):
+            mask_bits_of(matcher, vocab)
+            assert matcher.consume(token)
+    assert asked and len(asked) == len(set(asked))

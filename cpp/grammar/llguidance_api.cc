@@ -132,16 +132,28 @@ Tokenizer::Tokenizer(const std::string& library, const std::string& tokenizer_js
 
 Tokenizer::~Tokenizer() { api_->free_tokenizer(handle_); }
 
-// llguidance's LlgTokenizeFn: writes at most `capacity` ids, returns how many there are. It cannot throw
-// into the library: a failing tokenize gives no tokens (llguidance then allows no forced token).
+// llguidance's LlgTokenizeFn: writes at most `capacity` ids, returns how many there are, from the kept
+// tokens of the text where it has them. It cannot throw into the library: a failing tokenize gives no
+// tokens (llguidance then allows no forced token).
 size_t Tokenizer::tokenize_into(const void* self, const uint8_t* bytes, size_t length, uint32_t* out,
                                 size_t capacity) {
+  const auto& tokenizer = *static_cast<const Tokenizer*>(self);
+  std::string text(reinterpret_cast<const char*>(bytes), length);
   std::vector<uint32_t> ids;
-  try {
-    ids = static_cast<const Tokenizer*>(self)->tokenize_(
-        std::string_view(reinterpret_cast<const char*>(bytes), length));
-  } catch (...) {
-    return 0;
+  {
+    std::lock_guard<std::mutex> lock(tokenizer.kept_mutex_);
+    auto kept = tokenizer.kept_.find(text);
+    if (kept != tokenizer.kept_.end()) ids = kept->second;
+  }
+  if (ids.empty() && length > 0) {
+    try {
+      ids = tokenizer.tokenize_(text);
+    } catch (...) {
+      return 0;
+    }
+    std::lock_guard<std::mutex> lock(tokenizer.kept_mutex_);
+    if (tokenizer.kept_.size() >= kMaxKept) tokenizer.kept_.clear();
+    tokenizer.kept_.emplace(std::move(text), ids);
   }
   std::memcpy(out, ids.data(), std::min(ids.size(), capacity) * sizeof(uint32_t));
   return ids.size();

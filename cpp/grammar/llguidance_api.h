@@ -16,9 +16,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 namespace pagedserve::grammar {
@@ -31,7 +33,11 @@ struct LlgApi;  // the library's entry points (llguidance_api.cc)
 // then allows the forced text's own first tokens, not every token that spells a prefix of it. Without
 // `tokenize`, it tokenizes greedily, which allows more than the model's tokenizer would (after `{"` under
 // a schema whose first key is "name": "n", "na" and "nam" too); with the model's tokenizer the masks equal
-// llguidance's Python matcher's (tests_py/test_llguidance_matcher.py).
+// llguidance's Python matcher's (tests_py/test_llguidance_matcher.py). A grammar forces few distinct texts
+// (its keys, its separators), asked for again and again: their tokens are kept, so that `tokenize` (Python,
+// under the GIL) runs once a text. Asking Python each time took the GIL from the pool's threads every
+// compact JSON step: the engine's own step went from 1.13-1.16 to 1.62-1.68 ms on an H200 host
+// (bench/results/h200/session39.md).
 class Tokenizer {
  public:
   // Bytes to token ids, any bytes (not only UTF-8); called from any thread, also several at once.
@@ -61,6 +67,9 @@ class Tokenizer {
   uint32_t vocab_size_;
   std::vector<uint32_t> eos_ids_;
   TokenizeFn tokenize_;
+  static constexpr size_t kMaxKept = 1 << 16;  // texts whose tokens are kept; all dropped once past it
+  mutable std::mutex kept_mutex_;
+  mutable std::unordered_map<std::string, std::vector<uint32_t>> kept_;  // guarded by kept_mutex_
 };
 
 // One sample's matcher: move-only, freed with its owner. Not thread-safe: one thread at a time (the grammar
