@@ -130,7 +130,7 @@ def test_compile_errors_and_bad_inputs(c_tokenizer, hf_tokenizer, vocab, eos_ids
     with pytest.raises(ValueError, match="EOS"):
         core.LlgTokenizer(llguidance._lib.__file__, tokenizer_json(hf_tokenizer), vocab, [])
     matcher = core.LlgMatcher(c_tokenizer, LLGuidanceBackend.grammar_text(SPECS["regex"]))
-    with pytest.raises(Exception, match="words"):
+    with pytest.raises(RuntimeError, match="words"):
         matcher.fill(torch.zeros(8, dtype=torch.int32).data_ptr(), 8)
 
 
@@ -188,7 +188,7 @@ def test_pool_fills_without_tokens_and_raises_the_flag_on_error(c_tokenizer, voc
     for i, m in enumerate(matchers):
         assert mask_bits(bitmask[3 - i], vocab) == mask_bits_of(m, vocab)
     flag = torch.zeros(2, dtype=torch.int64)
-    with pytest.raises(Exception, match="row 4 outside"):
+    with pytest.raises(RuntimeError, match="row 4 outside"):
         pool.run(matchers, None, [0, 1, 2, 4], bitmask.data_ptr(), 4, words, flag.data_ptr(), 9)
     assert flag[0] == 9  # a device waiting for this job is let go; the engine reports the error
 

@@ -49,8 +49,7 @@ void bind_grammar(py::module_& m) {
            "tokenize: bytes -> token ids (called with the GIL, from any thread); None: llguidance's greedy one.")
       .def("decode", [](const Tokenizer& t, const std::vector<uint32_t>& ids) { return py::bytes(t.decode(ids)); },
            py::arg("ids"), "The tokens' bytes as llguidance reads them, special tokens included.")
-      .def_property_readonly("vocab_size", &Tokenizer::vocab_size)
-      .def_property_readonly("eos_ids", &Tokenizer::eos_ids);
+      .def_property_readonly("vocab_size", &Tokenizer::vocab_size);
 
   py::class_<Matcher>(m, "LlgMatcher", "One sample's llguidance matcher (cpp/grammar/llguidance_api.h).")
       .def(py::init([](std::shared_ptr<Tokenizer> tokenizer, const std::string& grammar) {
@@ -62,7 +61,6 @@ void bind_grammar(py::module_& m) {
       .def("is_stopped", &Matcher::is_stopped)
       .def("is_error", &Matcher::is_error)
       .def_property_readonly("error", &Matcher::error)
-      .def_property_readonly("mask_words", &Matcher::mask_words)
       .def("fill", [](Matcher& matcher, uintptr_t words, size_t num_words) {
              matcher.fill(host_pointer<uint32_t>(words), num_words);
            }, py::arg("words"), py::arg("num_words"), "Writes the next mask at host address `words`.");

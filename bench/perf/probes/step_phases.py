@@ -70,7 +70,6 @@ def instrument(engine) -> None:
             TIMES["thread.settle"] += time.perf_counter() - start
             CALLS["thread.settle"] += 1
             for job in jobs:
-                TIMES["(thread) fill"] += job.fill_seconds
                 TIMES["(thread) job"] += job.seconds
                 CALLS["(thread) job"] += 1
             return jobs

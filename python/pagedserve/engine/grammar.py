@@ -65,7 +65,7 @@ def backend_order(backend: str, kind: str) -> tuple[str, ...]:
     rest (choice, json_object, structural tags in the "format" form), which llguidance has no form of.
     "auto" gives json schemas to llguidance first: replaying SmolLM2's own JSON, its masks cost a quarter of
     xgrammar's on one core (5.4 vs 22 us a row on a Zen 4 core; 0.70 vs 3.97 ms a step of 64 rows on an H200
-    host, where xgrammar's 8 threads take 0.96), it needs no thread pool beside torch's, and its JSON strings
+    host, where xgrammar's 8 threads take 0.96; 0.29 on 4 threads of llguidance's GrammarPool), and its JSON strings
     take no special tokens (xgrammar's take <|im_start|> and the like as text). In the engine on that H200
     host JSON went from 44-51 % of unconstrained (xgrammar) to 56-66 % (llguidance; 64 rows, real weights,
     bench/results/h200/session36.md), on a 2-core Zen 4 engine from 93.6 to 96.4 % (session34.md).
@@ -279,7 +279,7 @@ class Grammars:
         """A settled job's cost and the samples whose grammar it ended (stopped at take_ended())."""
         self.stats.thread_seconds += job.seconds
         self.stats.rows_filled += len(job.rows)  # the ended matchers' masks too (grammar_thread._consume_and_fill)
-        self.policy.note_fill(len(job.rows), job.fill_seconds)  # masks dear enough to check draws first: not here
+        self.policy.note_fill(len(job.rows), job.seconds)  # masks dear enough to check draws first: not here
         for matcher in job.ended:
             if matcher.owner is None:  # made outside attach(): nothing to end
                 continue

@@ -99,7 +99,6 @@ class LLGuidanceBackend:
         """ValueError where llguidance's C API cannot be loaded or reads the tokenizer differently from
         transformers (the engine then uses xgrammar alone)."""
         import llguidance._lib
-        import llguidance.hf
 
         from pagedserve._core import grammar as core_grammar
 
@@ -107,10 +106,11 @@ class LLGuidanceBackend:
         backend = copy(tokenizer.backend_tokenizer)  # as llguidance.hf.from_tokenizer reads it
         backend.no_padding()
         backend.no_truncation()
-        # Where a grammar forces text, llguidance allows that text's own tokens, as the model's tokenizer (its
-        # Python tokenizer's, the tokenizers crate) splits them: see cpp/grammar/llguidance_api.h.
-        py_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos or None)
-        self._tokenizer = core_grammar.LlgTokenizer(llguidance._lib.__file__, backend.to_str(), vocab_size, eos,
+        text = backend.to_str()
+        # Where a grammar forces text, llguidance allows that text's own tokens, as the model's tokenizer splits
+        # them: llguidance's Python tokenizer (the tokenizers crate) tokenizes for it (cpp/grammar/llguidance_api.h).
+        py_tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos or None)
+        self._tokenizer = core_grammar.LlgTokenizer(llguidance._lib.__file__, text, vocab_size, eos,
                                                     py_tokenizer.tokenize_bytes)
         _check_reads_alike(tokenizer, self._tokenizer)
 
@@ -244,10 +244,10 @@ def _check_host_bitmask(bitmask: torch.Tensor) -> None:
 
 
 def grammar_pool_threads() -> int:
-    """Threads of the GrammarPool that takes llguidance's rows: a quarter of the cores, 1 to 4 (4 was the
-    fastest on an H200 host's 16 cores, cpp/grammar/grammar_pool.h); one, the caller's, on machines of fewer
-    than 8 cores, where the engine's own thread and torch's need them."""
-    return min(4, max(1, (os.cpu_count() or 1) // 4))
+    """Threads asked of the GrammarPool that takes llguidance's rows: a quarter of the cores (the pool takes
+    at most four, the fastest on an H200 host's 16 cores: cpp/grammar/grammar_pool.h); one, the caller's, on
+    machines of fewer than 8 cores, where the engine's own thread and torch's need them."""
+    return max(1, (os.cpu_count() or 1) // 4)
 
 
 class MaskFiller:

@@ -70,8 +70,7 @@ class _Job:
         self.live: dict[int, int] = {}  # id(matcher) -> its buffer row, for the matchers still live
         self.ended: list[object] = []  # matchers that refused their token or terminated
         self.accepted: list[bool] = []  # per pair: whether its matcher took its token
-        self.seconds = 0.0  # consuming and filling, not waiting for the draw
-        self.fill_seconds = 0.0  # the same: the pool does both in one pass (CheckFirstPolicy's row cost)
+        self.seconds = 0.0  # consuming and filling (one pass of the pool), not waiting for the draw
         self.future: Optional[Future] = None  # the pool's, once submitted
 
 
@@ -89,7 +88,7 @@ class GrammarThread:
         # device (pinned) or the host
         self.flag = torch.zeros(2, dtype=torch.int64, pin_memory=pin_memory)
         self._flag = self.flag.numpy()
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._worker: Optional[ThreadPoolExecutor] = None  # the thread
         self._grammar_pool = pool
         self._jobs: deque[_Job] = deque()  # submitted, not settled, oldest first
         self._submitted = 0
@@ -111,13 +110,13 @@ class GrammarThread:
         """Step's (row, matcher) pairs take their row's token from `pending` (a queued plain draw) and fill
         their next masks, after the jobs before; the engine's thread must not touch these matchers until
         settle() returns this job (returned)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
         with self._interval_lock:
             self._submitted += 1
             job = _Job(self._submitted, list(pairs), pending, self.buffer())
             sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL))  # while jobs are queued: see above
-        job.future = self._pool.submit(self._run, job)
+        job.future = self._worker.submit(self._run, job)
         self._jobs.append(job)
         return job
 
@@ -144,9 +143,9 @@ class GrammarThread:
         try:
             self.settle()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None
+            if self._worker is not None:
+                self._worker.shutdown()
+                self._worker = None
 
     def _run(self, job: _Job) -> None:
         """One job on the grammar thread. Its number is raised as soon as the masks are in, and even where
@@ -174,7 +173,7 @@ def _consume_and_fill(job: _Job, pool, flag: torch.Tensor) -> None:
     buffer = job.buffer
     job.accepted = pool.run(job.raws, ids[:len(job.rows)] if job.dense else [ids[r] for r in job.rows], job.rows,
                             buffer.data_ptr(), buffer.shape[0], buffer.shape[1], flag.data_ptr(), job.number)
-    job.seconds = job.fill_seconds = time.perf_counter() - start
+    job.seconds = time.perf_counter() - start
 
 
 def _sort_ended(job: _Job) -> None:
