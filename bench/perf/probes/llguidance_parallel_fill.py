@@ -1,8 +1,9 @@
 """Whether a step's llguidance masks fill faster on more threads: 64 matchers under structured_bench's JSON
 schema, each at its own place in one JSON text and advanced a token a step (fresh states, as in the engine),
-filled by llguidance's executor on 1 or 2 threads, the matchers cloned from one compiled grammar or from two
-separate compilations (which share no lexer state). The grammar thread's job, whose fill is most of it, is a
-JSON step's critical path on an H200 host (bench/results/h200/session38.md).
+filled by llguidance's Python executor on 1 or 2 threads, the matchers cloned from one compiled grammar or
+from two separate compilations (which share no lexer state); then the engine's way since session 39, its
+GrammarPool (cpp/grammar/grammar_pool.h: llguidance's C API, accept and fill in one pass) on 1, 2, 4 and 8
+threads (bench/results/h200/session39.md).
 
     python bench/perf/probes/llguidance_parallel_fill.py [--steps 60] [--rows 64]
     python bench/perf/probes/llguidance_parallel_fill.py --quick     # 8 steps of 8 rows: checks the script works
@@ -47,6 +48,27 @@ def median_fill_ms(templates: list, threads: int, text_ids: list[int], steps: in
     return 1e3 * statistics.median(times)
 
 
+def pool_step_ms(backend, grammar_spec, threads: int, text_ids: list[int], steps: int, rows: int,
+                 words: int) -> float:
+    """Median ms a step of the GrammarPool on `threads` threads: each row takes its next token, then fills."""
+    from pagedserve._core.grammar import GrammarPool
+
+    template = backend.compile(grammar_spec).new_matcher().raw
+    matchers, starts = [template.clone() for _ in range(rows)], [(r * 13) % 40 for r in range(rows)]
+    for m, start in zip(matchers, starts):
+        if not all(m.consume(t) for t in text_ids[:start]):
+            raise RuntimeError("the schema refused the probe's text")
+    pool, buffer, times = GrammarPool(threads), torch.zeros((rows, words), dtype=torch.int32), []
+    for step in range(steps):
+        tokens = [text_ids[s + step] for s in starts]
+        begin = time.perf_counter()
+        accepted = pool.run(matchers, tokens, list(range(rows)), buffer.data_ptr(), rows, words)
+        times.append(time.perf_counter() - begin)
+        if not all(accepted):
+            raise RuntimeError("the schema refused the probe's text")
+    return 1e3 * statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=60)
@@ -76,6 +98,12 @@ def main() -> None:
         two = median_fill_ms(compiled, threads, text_ids, args.steps, args.rows, words)
         print(f"{threads} thread(s): {one:.3f} ms a step of {args.rows} masks from one compilation, {two:.3f} ms "
               f"from two (median of {args.steps} steps)")
+    backend = LLGuidanceBackend(tokenizer, vocab, [tokenizer.eos_token_id])
+    spec = StructuredOutputsParams(json=LONG_SCHEMA)
+    for threads in (1, 2, 4, 8):
+        ms = pool_step_ms(backend, spec, threads, text_ids, args.steps, args.rows, words)
+        print(f"GrammarPool, {threads} thread(s): {ms:.3f} ms a step of {args.rows} accepts and masks "
+              f"(median of {args.steps} steps)")
 
 
 if __name__ == "__main__":
