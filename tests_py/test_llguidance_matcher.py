@@ -170,13 +170,33 @@ def test_pool_equals_one_matcher_at_a_time(threads, c_tokenizer, vocab):
     for step in range(12):
         tokens = [plan[step] if step < len(plan) else 0 for plan in plans]  # 0 past a plan: refused, as alone
         bitmask = torch.full((32, words), -1, dtype=torch.int32)
-        accepted = pool.run(pooled, tokens, out_rows, bitmask.data_ptr(), 32, words, flag.data_ptr(), step + 1)
+        outcomes = pool.run(pooled, tokens, out_rows, bitmask.data_ptr(), 32, words, flag.data_ptr(), step + 1)
         assert flag[0] == step + 1
         for i, m in enumerate(alone):
-            assert accepted[i] == m.consume(tokens[i]), f"row {i}, step {step}"
+            took = m.consume(tokens[i])
+            assert outcomes[i] == outcome(took, m), f"row {i}, step {step}"
             assert mask_bits(bitmask[out_rows[i]], vocab) == mask_bits_of(m, vocab), f"row {i}, step {step}"
         untouched = sorted(set(range(32)) - set(out_rows))
         assert (bitmask[untouched] == -1).all()
+
+
+def outcome(took: bool, matcher) -> int:
+    pool = core.GrammarPool
+    return pool.REFUSED if not took else pool.STOPPED if matcher.is_stopped() else pool.LIVE
+
+
+def test_pool_outcomes(c_tokenizer, hf_tokenizer, vocab):
+    """A row that stops, one that refuses its token and one that goes on, told apart by the pool."""
+    grammar = LLGuidanceBackend.grammar_text(SPECS["regex"])
+    yes, maybe = (hf_tokenizer.encode(word, add_special_tokens=False) for word in ("yes.", "maybe"))
+    refused = c_tokenizer.vocab_size - PAD - 1  # as in test_refused_token_puts_the_matcher_in_error
+    matchers = [core.LlgMatcher(c_tokenizer, grammar) for _ in range(3)]
+    for token in yes[:-1]:
+        assert matchers[0].consume(token)
+    words = (vocab + 31) // 32
+    bitmask = torch.zeros((3, words), dtype=torch.int32)
+    got = core.GrammarPool(2).run(matchers, [yes[-1], refused, maybe[0]], [0, 1, 2], bitmask.data_ptr(), 3, words)
+    assert list(got) == [core.GrammarPool.STOPPED, core.GrammarPool.REFUSED, core.GrammarPool.LIVE]
 
 
 def test_pool_fills_without_tokens_and_raises_the_flag_on_error(c_tokenizer, vocab):
@@ -184,7 +204,7 @@ def test_pool_fills_without_tokens_and_raises_the_flag_on_error(c_tokenizer, voc
     matchers, _ = walk_matchers(c_tokenizer, vocab, 4, seed=7)
     pool = core.GrammarPool(2)
     bitmask = torch.zeros((4, words), dtype=torch.int32)
-    assert list(pool.run(matchers, None, [3, 2, 1, 0], bitmask.data_ptr(), 4, words)) == [0, 0, 0, 0]
+    assert list(pool.run(matchers, None, [3, 2, 1, 0], bitmask.data_ptr(), 4, words)) == [core.GrammarPool.LIVE] * 4
     for i, m in enumerate(matchers):
         assert mask_bits(bitmask[3 - i], vocab) == mask_bits_of(m, vocab)
     flag = torch.zeros(2, dtype=torch.int64)

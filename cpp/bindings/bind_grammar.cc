@@ -65,7 +65,7 @@ void bind_grammar(py::module_& m) {
              matcher.fill(host_pointer<uint32_t>(words), num_words);
            }, py::arg("words"), py::arg("num_words"), "Writes the next mask at host address `words`.");
 
-  py::class_<GrammarPool>(m, "GrammarPool", "A step's accepts and masks over threads (cpp/grammar/grammar_pool.h).")
+  auto pool_class = py::class_<GrammarPool>(m, "GrammarPool", "A step's accepts and masks over threads (cpp/grammar/grammar_pool.h).")
       .def(py::init<int>(), py::arg("num_threads"))
       .def_property_readonly("num_threads", &GrammarPool::num_threads)
       .def("run", [](GrammarPool& pool, const std::vector<Matcher*>& matchers,
@@ -79,8 +79,11 @@ void bind_grammar(py::module_& m) {
            }, py::arg("matchers"), py::arg("tokens"), py::arg("rows"), py::arg("bitmask"), py::arg("num_rows"),
            py::arg("row_words"), py::arg("flag") = 0, py::arg("number") = 0,
            "Each matcher consumes its token (tokens may be None), then fills its row of the int32 bitmask at host "
-           "address `bitmask`; the int64 at `flag` (0: none) becomes `number` once the masks are in. Whether each "
-           "took its token, as bytes-like 0/1 values. The GIL is dropped throughout.");
+           "address `bitmask`; the int64 at `flag` (0: none) becomes `number` once the masks are in. Returns each "
+           "row's outcome: REFUSED (0), LIVE (1) or STOPPED (2). The GIL is dropped throughout.");
+  pool_class.attr("REFUSED") = static_cast<int>(GrammarPool::kRefused);
+  pool_class.attr("LIVE") = static_cast<int>(GrammarPool::kLive);
+  pool_class.attr("STOPPED") = static_cast<int>(GrammarPool::kStopped);
 }
 
 }  // namespace pagedserve::bindings

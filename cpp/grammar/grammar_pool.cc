@@ -13,7 +13,7 @@ std::vector<uint8_t> GrammarPool::run(std::span<Matcher* const> matchers, std::s
                                       std::span<const int64_t> rows, uint32_t* bitmask, int64_t num_rows,
                                       int64_t row_words, int64_t* flag, int64_t number) {
   const auto n = static_cast<int64_t>(matchers.size());
-  std::vector<uint8_t> accepted(matchers.size(), 0);
+  std::vector<uint8_t> outcomes(matchers.size(), kRefused);
   auto raise = [&] {
     if (flag != nullptr) std::atomic_ref<int64_t>(*flag).store(number, std::memory_order_release);
   };
@@ -24,18 +24,20 @@ std::vector<uint8_t> GrammarPool::run(std::span<Matcher* const> matchers, std::s
     for (int64_t row : rows) PS_CHECK(row >= 0 && row < num_rows, "row ", row, " outside a bitmask of ", num_rows);
     pool_.run(n, [&](int64_t i, int) {
       Matcher& matcher = *matchers[i];
+      bool took = true;
       if (!tokens.empty()) {
         PS_CHECK(tokens[i] >= 0 && tokens[i] <= UINT32_MAX, "token ", tokens[i]);
-        accepted[i] = matcher.consume(static_cast<uint32_t>(tokens[i]));
+        took = matcher.consume(static_cast<uint32_t>(tokens[i]));
       }
       matcher.fill(bitmask + rows[i] * row_words, static_cast<size_t>(row_words));
+      outcomes[i] = !took ? kRefused : matcher.is_stopped() ? kStopped : kLive;
     });
   } catch (...) {
     raise();
     throw;
   }
   raise();
-  return accepted;
+  return outcomes;
 }
 
 }  // namespace pagedserve::grammar

@@ -24,13 +24,18 @@ class GrammarPool {
  public:
   static constexpr int kMaxThreads = 4;
 
+  // What became of a row's matcher (run's result): it refused its token (and is in error), it goes on,
+  // or it stopped (it took its token, and only EOS may follow).
+  enum Outcome : uint8_t { kRefused = 0, kLive = 1, kStopped = 2 };
+
   explicit GrammarPool(int num_threads);
   int num_threads() const { return pool_.num_threads(); }
 
-  // For each i: when `tokens` is not empty, matchers[i] consumes tokens[i] (accepted[i] says whether it
-  // took it); then matchers[i] writes its next mask into row rows[i] of `bitmask` (row_words uint32 words a
-  // row, num_rows rows). Each matcher appears once. When `flag` is not null, *flag becomes `number` after
-  // the last mask is written, even where a row throws (the first error is rethrown after).
+  // For each i: when `tokens` is not empty, matchers[i] consumes tokens[i]; then matchers[i] writes its
+  // next mask into row rows[i] of `bitmask` (row_words uint32 words a row, num_rows rows). Each matcher
+  // appears once. Returns each row's Outcome (without tokens: kLive or kStopped), found on the pool's
+  // threads so that the caller need not ask each matcher. When `flag` is not null, *flag becomes `number`
+  // after the last mask is written, even where a row throws (the first error is rethrown after).
   std::vector<uint8_t> run(std::span<Matcher* const> matchers, std::span<const int64_t> tokens,
                            std::span<const int64_t> rows, uint32_t* bitmask, int64_t num_rows, int64_t row_words,
                            int64_t* flag = nullptr, int64_t number = 0);

@@ -47,6 +47,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from pagedserve import ops
+from pagedserve._core.grammar import GrammarPool
 
 SWITCH_INTERVAL = 2e-5  # seconds: the GIL's hand-over interval while jobs are queued (see above)
 _RING = 4  # mask buffers in turn; a step takes at most two, and a buffer's last copy to the device is done
@@ -56,20 +57,25 @@ WAIT_SECONDS = 60.0  # a draw waiting longer than this for its masks goes on wit
 
 class _Job:
     """One step's tokens to consume and masks to fill. Made on the engine's thread, which also lists the
-    matchers' LlgMatchers and rows, so the grammar thread holds the GIL as briefly as it can."""
+    matchers' LlgMatchers and rows, so the grammar thread holds the GIL as briefly as it can; in a steady
+    batch the pairs are the last job's, whose lists it shares (`like`: none is changed once made)."""
 
-    def __init__(self, number: int, pairs: list[tuple[int, object]], pending, buffer: torch.Tensor):
+    def __init__(self, number: int, pairs: list[tuple[int, object]], pending, buffer: torch.Tensor,
+                 like: Optional[_Job] = None):
         self.number = number  # the flag's value once the job is done: 1, 2, ... in order
         self.pairs = pairs  # (row, LLGuidanceMatcher)
-        self.raws = [m.raw for _, m in pairs]
-        self.rows = [row for row, _ in pairs]
+        if like is None:
+            self.raws = [m.raw for _, m in pairs]
+            self.rows = [row for row, _ in pairs]
+            self.row_of = {id(m): row for row, m in pairs}
+        else:
+            self.raws, self.rows, self.row_of = like.raws, like.rows, like.row_of
         self.dense = self.rows[-1] == len(self.rows) - 1  # rows 0..n-1: the draw's first ids as they are
-        self.row_of = {id(m): row for row, m in pairs}
         self.pending = pending  # the step's PendingSamples
         self.buffer = buffer
         self.live: dict[int, int] = {}  # id(matcher) -> its buffer row, for the matchers still live
         self.ended: list[object] = []  # matchers that refused their token or terminated
-        self.accepted: list[bool] = []  # per pair: whether its matcher took its token
+        self.outcomes: list[int] = []  # per pair: its GrammarPool outcome (REFUSED, LIVE, STOPPED)
         self.seconds = 0.0  # consuming and filling (one pass of the pool), not waiting for the draw
         self.future: Optional[Future] = None  # the pool's, once submitted
 
@@ -112,9 +118,11 @@ class GrammarThread:
         settle() returns this job (returned)."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
+        newest = self.newest
+        like = newest if newest is not None and newest.pairs == pairs else None
         with self._interval_lock:
             self._submitted += 1
-            job = _Job(self._submitted, list(pairs), pending, self.buffer())
+            job = _Job(self._submitted, list(pairs), pending, self.buffer(), like)
             sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL))  # while jobs are queued: see above
         job.future = self._worker.submit(self._run, job)
         self._jobs.append(job)
@@ -171,18 +179,21 @@ def _consume_and_fill(job: _Job, pool, flag: torch.Tensor) -> None:
     ids = job.pending.host_ids().tolist()  # waits for the draw (the GIL dropped)
     start = time.perf_counter()
     buffer = job.buffer
-    job.accepted = pool.run(job.raws, ids[:len(job.rows)] if job.dense else [ids[r] for r in job.rows], job.rows,
+    job.outcomes = pool.run(job.raws, ids[:len(job.rows)] if job.dense else [ids[r] for r in job.rows], job.rows,
                             buffer.data_ptr(), buffer.shape[0], buffer.shape[1], flag.data_ptr(), job.number)
     job.seconds = time.perf_counter() - start
 
 
 def _sort_ended(job: _Job) -> None:
-    """The job's live matchers (by buffer row) and those that refused their token or terminated."""
-    for (row, m), raw, accepted in zip(job.pairs, job.raws, job.accepted):
-        if accepted and not raw.is_stopped():
-            job.live[id(m)] = row
-        else:
-            job.ended.append(m)
+    """The job's live matchers (by buffer row) and those that refused their token or terminated, from the
+    outcomes the pool found: no call to a matcher, as this runs beside the engine's thread, under the GIL."""
+    ended = [i for i, outcome in enumerate(job.outcomes) if outcome != GrammarPool.LIVE]
+    job.ended = [job.pairs[i][1] for i in ended]
+    if not ended:
+        job.live = job.row_of  # shared (read only)
+        return
+    gone = {id(m) for m in job.ended}
+    job.live = {key: row for key, row in job.row_of.items() if key not in gone}
 
 
 def lines_up(job: Optional[_Job], pairs: Sequence[tuple[int, object]]) -> bool:
@@ -190,6 +201,8 @@ def lines_up(job: Optional[_Job], pairs: Sequence[tuple[int, object]]) -> bool:
     next step reads the job's buffer as it is, every other row of it free for masks of no grammar."""
     if job is None or len(pairs) != len(job.pairs):
         return False
+    if pairs == job.pairs:  # the same pairs in the same order: a steady batch, compared in C
+        return True
     row_of = job.row_of
     return all(row_of.get(id(m)) == row for row, m in pairs)
 
