@@ -12,7 +12,7 @@ and schedules, and such steps run ahead. (Session 37's version queued the draw o
 just before the next forward: the engine's thread waited ~0.2 ms a step for them and queued the draw then,
 ~0.3 ms more. JSON on an H200 host, 64 rows: 64-75 % of unconstrained that way, 83-85 % this way in the same
 call, bench/results/h200/session38.md, where the job, 0.94 ms on one thread, was then what the device waited
-for; on the GrammarPool's four threads it takes 0.3-0.5 ms and JSON ran at 87-93 %, session39.md.) Where masks
+for; on the GrammarPool's four threads it takes 0.3-0.5 ms and JSON ran at 93-97 %, session39.md.) Where masks
 are dear (strings of bounded length: ~13 ms a step there) the thread cannot keep up; those steps stay on the
 engine's thread, which checks draws first (engine/grammar.py Grammars.step).
 
