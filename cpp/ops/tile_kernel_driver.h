@@ -56,23 +56,38 @@ void for_row_blocks(int64_t row_begin, int64_t row_end, Block&& block) {
 
 inline constexpr int64_t kAmxTileRows = 16;  // rows of x per tile product (one tile register's rows)
 
-// Loads the tile configuration every kernel uses: registers 0-7 of 64 bytes a row; the
-// accumulators (0-3) and x (4-5) of `x_rows` rows, the weights (6-7) of 16 (a K chunk). Fewer
-// than 16 rows where x has fewer: a decode step of one sequence then loads, multiplies and stores
-// one row instead of 16 (each row's products are the same either way).
-[[gnu::target("arch=x86-64-v4,amx-tile")]] inline void configure_amx_tiles(int x_rows) {
-  struct alignas(64) {
-    uint8_t palette = 1;
-    uint8_t start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-  } config;
+// The 64 bytes `ldtilecfg` reads (palette 1).
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+static_assert(sizeof(AmxTileConfig) == 64);
+
+// The configuration every kernel uses: registers 0-7 of 64 bytes a row; the accumulators (0-3) and
+// x (4-5) of `x_rows` rows, the weights (6-7) of 16 (a K chunk). Fewer than 16 rows where x has
+// fewer: a decode step of one sequence then loads, multiplies and stores one row instead of 16
+// (each row's products are the same either way).
+inline AmxTileConfig amx_tile_config(int x_rows) {
+  AmxTileConfig config;
   for (int i = 0; i < 8; ++i) {
     config.rows[i] = static_cast<uint8_t>(i < 6 ? x_rows : kAmxTileRows);
     config.bytes_per_row[i] = 64;
   }
-  _tile_loadconfig(&config);
+  return config;
+}
+
+// Loads it. Not through GCC 12's _tile_loadconfig, whose asm names only the first 8 bytes of the
+// configuration as its operand: GCC 12 -O3 then dropped the stores of the rows and row widths as dead,
+// every tile was left unconfigured and the first tile instruction raised SIGILL (Debian 12's compiler,
+// an Intel family 6 model 207 VM, session 40; GCC 13 names all 64 bytes). Here the operand is the whole
+// struct, and the memory clobber keeps every store before it (x's scratch rows among them: the tile loads'
+// asm names no memory) ahead of the tile code.
+[[gnu::target("arch=x86-64-v4,amx-tile")]] inline void configure_amx_tiles(int x_rows) {
+  const AmxTileConfig config = amx_tile_config(x_rows);
+  __asm__ volatile("ldtilecfg %0" : : "m"(config) : "memory");
 }
 
 [[gnu::target("arch=x86-64-v4,amx-tile")]] inline void release_amx_tiles() { _tile_release(); }
