@@ -277,14 +277,11 @@ def test_a_steady_batch_does_not_wait_for_its_masks_on_the_host(default_model_pa
     llm.shutdown()
 
 
-class _Drawn:
-    """A draw whose ids are on the host already: what GrammarThread.submit takes from PendingSamples."""
+def _drawn(ids: list[int]):
+    """A draw whose ids are on the host already."""
+    from pagedserve.sample.pending import PendingSamples
 
-    def __init__(self, ids: list[int]):
-        self._ids = torch.tensor(ids)
-
-    def host_ids(self) -> torch.Tensor:
-        return self._ids
+    return PendingSamples.copy(torch.tensor(ids, dtype=torch.int32), lambda host: None)
 
 
 def test_a_job_of_the_same_matchers_in_another_order_keeps_its_own_rows(default_model_path):
@@ -302,11 +299,11 @@ def test_a_job_of_the_same_matchers_in_another_order_keeps_its_own_rows(default_
     yes, no, dot = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no", "."))
     thread = GrammarThread(4, (vocab + 31) // 32, False, _core.grammar.GrammarPool(1))
     try:
-        first = thread.submit([(0, m0), (1, m1)], _Drawn([yes, no]))
+        first = thread.submit([(0, m0), (1, m1)], _drawn([yes, no]))
         assert lines_up(first, [(1, m1), (0, m0)]) and not lines_up(first, [(0, m1), (1, m0)])
-        again = thread.submit([(0, m0), (1, m1)], _Drawn([dot, dot]))
+        again = thread.submit([(0, m0), (1, m1)], _drawn([dot, dot]))
         assert again.row_of is first.row_of  # shared: the same pairs
-        swapped = thread.submit([(0, m1), (1, m0)], _Drawn([dot, dot]))
+        swapped = thread.submit([(0, m1), (1, m0)], _drawn([dot, dot]))
         assert swapped.row_of == {id(m1): 0, id(m0): 1} and swapped.rows == [0, 1]
         jobs = thread.settle()
         assert [job.outcomes for job in jobs][:2] == [[1, 1], [2, 2]]  # LIVE, then STOPPED

@@ -278,7 +278,7 @@ class Grammars:
     def _note_job(self, job) -> None:
         """A settled job's cost and the samples whose grammar it ended (stopped at take_ended())."""
         self.stats.thread_seconds += job.seconds
-        self.stats.rows_filled += len(job.rows)  # the ended matchers' masks too (grammar_thread._consume_and_fill)
+        self.stats.rows_filled += len(job.rows)  # the ended matchers' masks too (an EOS-only mask each)
         self.policy.note_fill(len(job.rows), job.seconds)  # masks dear enough to check draws first: not here
         for matcher in job.ended:
             if matcher.owner is None:  # made outside attach(): nothing to end

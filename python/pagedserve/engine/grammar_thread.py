@@ -16,14 +16,11 @@ for; on the GrammarPool's four threads it takes 0.3-0.5 ms and JSON ran at 93-97
 are dear (strings of bounded length: ~13 ms a step there) the thread cannot keep up; those steps stay on the
 engine's thread, which checks draws first (engine/grammar.py Grammars.step).
 
-The job's accepts and masks are one call of a GrammarPool (cpp/grammar/grammar_pool.h: llguidance's C API on
-up to four threads, the GIL dropped), which also raises the flag. The thread needs the GIL only around it:
-once the draw's ids are in, and after. Python hands it over only every sys.getswitchinterval() (5 ms by
-default) to a thread that asks while another runs Python, so while jobs are queued the interval is
-SWITCH_INTERVAL (other threads, xgrammar's pool among them, keep the process's own otherwise). On a 2-core
-Zen 5 VM, 64 rows of SmolLM2's JSON (llguidance's Python executor then, two calls a job) while the other
-thread ran Python: 0.39 ms a step on the engine's thread; on this thread 1.33 ms at 5 ms, 0.72 ms at
-50 us, 0.62 ms at 20 us, the engine's own loop slowed by ~1 %.
+The thread is C++ (cpp/grammar/grammar_worker.h, over the GrammarPool: llguidance's C API on up to four
+threads): it waits for the draw's event, consumes, fills and raises the flag without running Python, so it
+never waits for the GIL nor makes the engine's thread hand it over. (Session 39's Python thread needed it
+three times a job: each hand-over waited up to a switch interval, which it shortened to 20 us while jobs were
+queued, and woke two threads; JSON at 64 rows on an H200 host ran at 92-97 % of unconstrained.)
 
 Jobs run in the order submitted, one at a time: `submit(pairs, pending)` when step k's draw is queued; the
 job has each (row, matcher) pair consume the token of its row, fills the matchers' masks into rows of a
@@ -37,69 +34,61 @@ matchers are the caller's again). Only Grammars (engine/grammar.py) drives this 
 
 from __future__ import annotations
 
-import sys
-import threading
-import time
+import atexit
+import weakref
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from pagedserve import ops
-from pagedserve._core.grammar import GrammarPool
+from pagedserve._core.grammar import GrammarPool, GrammarWorker, MatcherRows
 
-SWITCH_INTERVAL = 2e-5  # seconds: the GIL's hand-over interval while jobs are queued (see above)
 _RING = 4  # mask buffers in turn; a step takes at most two, and a buffer's last copy to the device is done
 #            once the engine has the next step's tokens, two steps later at the latest
 WAIT_SECONDS = 60.0  # a draw waiting longer than this for its masks goes on without them, and the engine raises
 
 
 class _Job:
-    """One step's tokens to consume and masks to fill. Made on the engine's thread, which also lists the
-    matchers' LlgMatchers and rows, so the grammar thread holds the GIL as briefly as it can; in a steady
-    batch the pairs are the last job's, whose lists it shares (`like`: none is changed once made)."""
+    """One step's tokens to consume and masks to fill, made on the engine's thread; in a steady batch the
+    pairs are the last job's, whose lists it shares (`like`: none is changed once made)."""
 
     def __init__(self, number: int, pairs: list[tuple[int, object]], pending, buffer: torch.Tensor,
                  like: Optional[_Job] = None):
         self.number = number  # the flag's value once the job is done: 1, 2, ... in order
         self.pairs = pairs  # (row, LLGuidanceMatcher)
         if like is None:
-            self.raws = [m.raw for _, m in pairs]
+            self.raws = [m.raw for _, m in pairs]  # the LlgMatchers, alive while the worker holds their addresses
             self.rows = [row for row, _ in pairs]
             self.row_of = {id(m): row for row, m in pairs}
+            self.matcher_rows = MatcherRows(self.raws, self.rows)
         else:
-            self.raws, self.rows, self.row_of = like.raws, like.rows, like.row_of
-        self.dense = self.rows[-1] == len(self.rows) - 1  # rows 0..n-1: the draw's first ids as they are
-        self.pending = pending  # the step's PendingSamples
+            self.raws, self.rows, self.row_of, self.matcher_rows = like.raws, like.rows, like.row_of, like.matcher_rows
+        self.pending = pending  # the step's PendingSamples: its ids stay alive until the job is settled
         self.buffer = buffer
         self.live: dict[int, int] = {}  # id(matcher) -> its buffer row, for the matchers still live
         self.ended: list[object] = []  # matchers that refused their token or terminated
         self.outcomes: list[int] = []  # per pair: its GrammarPool outcome (REFUSED, LIVE, STOPPED)
         self.seconds = 0.0  # consuming and filling (one pass of the pool), not waiting for the draw
-        self.future: Optional[Future] = None  # the pool's, once submitted
 
 
 class GrammarThread:
-    """The thread is concurrent.futures' one worker: at interpreter exit the pool stops and joins it
-    before finalization. (A daemon thread that had waited on a CUDA event was killed in finalization
-    instead: "terminate called without an active exception" on an H200 host, after the results.)"""
+    """The engine's side of the grammar worker. A process that exits with jobs in flight closes it first
+    (atexit): the worker may be waiting on a CUDA event when the runtime goes."""
 
     def __init__(self, max_rows: int, words: int, pin_memory: bool, pool):
         """pool: the GrammarPool (pagedserve._core.grammar) that runs a job's accepts and masks."""
         self._buffers = [torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin_memory)
                          for _ in range(_RING)]
         self._next_buffer = 0
-        # [number of the last job done, 1 once a device's wait timed out]: raised by the thread, read by the
+        # [number of the last job done, 1 once a device's wait timed out]: raised by the worker, read by the
         # device (pinned) or the host
         self.flag = torch.zeros(2, dtype=torch.int64, pin_memory=pin_memory)
         self._flag = self.flag.numpy()
-        self._worker: Optional[ThreadPoolExecutor] = None  # the thread
-        self._grammar_pool = pool
+        self._worker = GrammarWorker(pool)  # its thread starts with the first job
         self._jobs: deque[_Job] = deque()  # submitted, not settled, oldest first
         self._submitted = 0
-        self._interval = sys.getswitchinterval()  # the process's own, back once no job is queued
-        self._interval_lock = threading.Lock()
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def buffer(self) -> torch.Tensor:
         """The next mask buffer of the ring (see _RING)."""
@@ -116,15 +105,14 @@ class GrammarThread:
         """Step's (row, matcher) pairs take their row's token from `pending` (a queued plain draw) and fill
         their next masks, after the jobs before; the engine's thread must not touch these matchers until
         settle() returns this job (returned)."""
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-grammar")
         newest = self.newest
         like = newest if newest is not None and newest.pairs == pairs else None
-        with self._interval_lock:
-            self._submitted += 1
-            job = _Job(self._submitted, list(pairs), pending, self.buffer(), like)
-            sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL))  # while jobs are queued: see above
-        job.future = self._worker.submit(self._run, job)
+        self._submitted += 1
+        job = _Job(self._submitted, list(pairs), pending, self.buffer(), like)
+        ids, num_ids, ready, device = pending.host_view()
+        buffer = job.buffer
+        self._worker.submit(job.number, job.matcher_rows, ids, num_ids, ready, device, buffer.data_ptr(),
+                            buffer.shape[0], buffer.shape[1], self.flag.data_ptr())
         self._jobs.append(job)
         return job
 
@@ -140,9 +128,10 @@ class GrammarThread:
             job = self._jobs.popleft()
             done.append(job)
             try:
-                job.future.result()
+                job.outcomes, job.seconds = self._worker.wait(job.number)
             except Exception as err:
                 raise RuntimeError(f"the grammar thread failed: {err}") from err
+            _sort_ended(job)
         if self._flag[1]:
             raise RuntimeError(f"a draw waited more than {WAIT_SECONDS:g} s for the grammar thread's masks")
         return done
@@ -151,42 +140,18 @@ class GrammarThread:
         try:
             self.settle()
         finally:
-            if self._worker is not None:
-                self._worker.shutdown()
-                self._worker = None
-
-    def _run(self, job: _Job) -> None:
-        """One job on the grammar thread. Its number is raised as soon as the masks are in, and even where
-        the job fails, so no device waits for it in vain (settle() reports the failure); which matchers
-        ended is sorted out after (the engine reads it once it settles the job); the process's switch
-        interval is back once no job is queued."""
-        try:
-            _consume_and_fill(job, self._grammar_pool, self.flag)
-        finally:
-            self._flag[0] = job.number  # raised already (a release store), unless the job failed before the pool
-            with self._interval_lock:
-                if job.number == self._submitted:
-                    sys.setswitchinterval(self._interval)
-        _sort_ended(job)
+            self._worker.close()
 
 
-def _consume_and_fill(job: _Job, pool, flag: torch.Tensor) -> None:
-    """The critical path: the draw's tokens in, every matcher's next mask out, the flag raised to the job's
-    number, all in one call of the GrammarPool, which drops the GIL. Ended matchers are filled too (a
-    matcher that stopped or refused its token gives a mask of EOS alone): their sequences stop at the next
-    record, which drops the token drawn here. Sorting them out here would put a wait for the GIL (up to
-    SWITCH_INTERVAL) and ~11 us of Python (64 rows, a Zen 5 core) on this path."""
-    ids = job.pending.host_ids().tolist()  # waits for the draw (the GIL dropped)
-    start = time.perf_counter()
-    buffer = job.buffer
-    job.outcomes = pool.run(job.raws, ids[:len(job.rows)] if job.dense else [ids[r] for r in job.rows], job.rows,
-                            buffer.data_ptr(), buffer.shape[0], buffer.shape[1], flag.data_ptr(), job.number)
-    job.seconds = time.perf_counter() - start
+def _close_at_exit(ref: weakref.ref) -> None:
+    thread = ref()
+    if thread is not None:
+        thread._worker.close()
 
 
 def _sort_ended(job: _Job) -> None:
     """The job's live matchers (by buffer row) and those that refused their token or terminated, from the
-    outcomes the pool found: no call to a matcher, as this runs beside the engine's thread, under the GIL."""
+    outcomes the pool found (no call to a matcher)."""
     ended = [i for i, outcome in enumerate(job.outcomes) if outcome != GrammarPool.LIVE]
     job.ended = [job.pairs[i][1] for i in ended]
     if not ended:

@@ -30,8 +30,9 @@ class PendingSamples:
     memory, so the caller can do host work while the device finishes the step."""
 
     def __init__(self, host: Optional[torch.Tensor], event, finish: Callable[[np.ndarray], SamplerOutput],
-                 output: Optional[SamplerOutput] = None, device_ids: Optional[torch.Tensor] = None):
+                 output: Optional[SamplerOutput] = None, device_ids: Optional[torch.Tensor] = None, device: int = 0):
         self._host, self._event, self._finish, self._output = host, event, finish, output
+        self._device = device  # the event's CUDA device
         self.prompt_logprobs: Optional["PendingSamples"] = None  # the step's prompt logprobs (model runner)
         # The sampled ids where the device left them, one per sample (int32): the next step's inputs when the
         # engine runs ahead (StepInputs.prepare). None where a draw may still change on the host.
@@ -51,16 +52,21 @@ class PendingSamples:
         host.copy_(device_ints, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(host, event, finish, device_ids=device_ids)
+        return cls(host, event, finish, device_ids=device_ids, device=device_ints.get_device())
 
-    def host_ids(self) -> np.ndarray:
-        """What the device left, as it reaches the host, without result()'s conversion: what a thread other
-        than the engine's may wait for (the wait drops the GIL); a plain draw's ids alone."""
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.numpy()
+    def host_view(self) -> tuple[int, int, int, int]:
+        """Where a plain draw's ids reach the host, for a thread outside Python (cpp/grammar/grammar_worker.h):
+        the int32 buffer's address and length, the CUDA event after which they are in (0: they are) and its
+        device."""
+        if self._host.dtype != torch.int32 or not self._host.is_contiguous():
+            raise ValueError(f"a draw's ids are contiguous int32, not {self._host.dtype}")
+        if self._event is None:
+            return self._host.data_ptr(), self._host.numel(), 0, 0
+        return self._host.data_ptr(), self._host.numel(), self._event.cuda_event, self._device
 
     def result(self) -> SamplerOutput:
         if self._output is None:
-            self._output = self._finish(self.host_ids())
+            if self._event is not None:
+                self._event.synchronize()
+            self._output = self._finish(self._host.numpy())
         return self._output
