@@ -121,7 +121,7 @@ for stage in "${STAGES[@]}"; do
       run_stage families python3 -m pytest tests_py/test_gpu_families.py -q -p no:cacheprovider ;;
     structured)  # grammar masks on the device and the grammar thread, tools and structured outputs through the server
       tests=(tests_py/test_gpu_structured.py tests_py/test_prompt_logprobs.py tests_py/test_grammar_checked_sampling.py
-             tests_py/test_async_scheduling.py tests_py/test_grammar_thread.py)  # the thread's: its CUDA exit row
+             tests_py/test_async_scheduling.py tests_py/test_grammar_thread.py tests_py/test_grammar_worker.py)  # the thread's: its CUDA exit row
       if python3 -c "import openai" 2>/dev/null; then  # the server tests use the official client
         tests+=(tests_py/test_server_tools.py tests_py/test_server_structured.py)
       else
