@@ -142,6 +142,12 @@ class GrammarThread:
         finally:
             self._worker.close()
 
+    def __del__(self) -> None:
+        # The worker's queued jobs write into the flag and buffers, which go with this object: they run first.
+        worker = getattr(self, "_worker", None)
+        if worker is not None:
+            worker.close()
+
 
 def _close_at_exit(ref: weakref.ref) -> None:
     thread = ref()
