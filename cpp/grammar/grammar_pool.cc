@@ -1,7 +1,6 @@
 #include "grammar/grammar_pool.h"
 
 #include <algorithm>
-#include <atomic>
 
 #include "check.h"
 
@@ -14,9 +13,6 @@ std::vector<uint8_t> GrammarPool::run(std::span<Matcher* const> matchers, std::s
                                       int64_t row_words, int64_t* flag, int64_t number) {
   const auto n = static_cast<int64_t>(matchers.size());
   std::vector<uint8_t> outcomes(matchers.size(), kRefused);
-  auto raise = [&] {
-    if (flag != nullptr) std::atomic_ref<int64_t>(*flag).store(number, std::memory_order_release);
-  };
   try {
     PS_CHECK(rows.size() == matchers.size(), rows.size(), " rows for ", n, " matchers");
     PS_CHECK(tokens.empty() || tokens.size() == matchers.size(), tokens.size(), " tokens for ", n, " matchers");
@@ -33,10 +29,10 @@ std::vector<uint8_t> GrammarPool::run(std::span<Matcher* const> matchers, std::s
       outcomes[i] = !took ? kRefused : matcher.is_stopped() ? kStopped : kLive;
     });
   } catch (...) {
-    raise();
+    raise_flag(flag, number);
     throw;
   }
-  raise();
+  raise_flag(flag, number);
   return outcomes;
 }
 

@@ -11,6 +11,7 @@
 // on two, 0.40-0.41 on four, 0.51 on eight (bench/results/h200/session39.md); hence at most four threads.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -19,6 +20,12 @@
 #include "ops/thread_pool.h"
 
 namespace pagedserve::grammar {
+
+// Raises a job's counter in host memory to `number` (a release store: the masks written before it are seen by
+// whoever reads the counter with acquire, a device polling it included). A null flag is none.
+inline void raise_flag(int64_t* flag, int64_t number) {
+  if (flag != nullptr) std::atomic_ref<int64_t>(*flag).store(number, std::memory_order_release);
+}
 
 class GrammarPool {
  public:

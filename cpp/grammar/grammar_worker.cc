@@ -1,6 +1,6 @@
 #include "grammar/grammar_worker.h"
 
-#include <atomic>
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <stdexcept>
@@ -42,21 +42,10 @@ GrammarWorker::Result GrammarWorker::wait(int64_t number) {
   if (number < 1 || number > submitted_) {
     throw std::invalid_argument("GrammarWorker.wait: job " + std::to_string(number) + " was not submitted");
   }
-  auto found = [&] {
-    for (auto it = results_.begin(); it != results_.end(); ++it) {
-      if (it->first == number) return it;
-    }
-    return results_.end();
-  };
-  auto it = found();
-  while (it == results_.end()) {
-    // Not ran yet, or waited for already: the first waits, the second would wait forever.
-    const bool pending = (!queue_.empty() && queue_.front().number <= number) || running_ == number;
-    if (!pending) {
-      throw std::invalid_argument("GrammarWorker.wait: job " + std::to_string(number) + " waited for already");
-    }
-    ran_.wait(lock);
-    it = found();
+  ran_.wait(lock, [&] { return finished_ >= number; });  // jobs run in order
+  auto it = std::find_if(results_.begin(), results_.end(), [&](const auto& done) { return done.first == number; });
+  if (it == results_.end()) {
+    throw std::invalid_argument("GrammarWorker.wait: job " + std::to_string(number) + " waited for already");
   }
   Result result = std::move(it->second);
   results_.erase(it);
@@ -70,11 +59,10 @@ void GrammarWorker::loop() {
     if (queue_.empty()) return;  // stopping, nothing left
     Job job = std::move(queue_.front());
     queue_.pop_front();
-    running_ = job.number;
     lock.unlock();
     Result result = run(job);
     lock.lock();
-    running_ = 0;
+    finished_ = job.number;
     results_.emplace_back(job.number, std::move(result));
     ran_.notify_all();
   }
@@ -100,9 +88,8 @@ GrammarWorker::Result GrammarWorker::run(const Job& job) {
   } catch (...) {
     result.error = "unknown error";
   }
-  if (!result.error.empty() && job.flag != nullptr) {  // no device waits in vain (the pool raised it already
-    std::atomic_ref<int64_t>(*job.flag).store(job.number, std::memory_order_release);  // if it got that far)
-  }
+  // No device waits in vain (the pool raised it already if the job got that far).
+  if (!result.error.empty()) raise_flag(job.flag, job.number);
   return result;
 }
 

@@ -81,7 +81,7 @@ class GrammarWorker {
   std::deque<Job> queue_;
   std::deque<std::pair<int64_t, Result>> results_;  // ran, not yet waited for, in order
   int64_t submitted_ = 0;
-  int64_t running_ = 0;  // the job the thread runs now, 0 when none
+  int64_t finished_ = 0;  // the last job run (they run in order)
   bool stopping_ = false;
   std::thread thread_;
 };
