@@ -62,6 +62,28 @@ bool has_avx512_vnni() {
   return has;
 }
 
+// How a batch-1 product streams interleaved weights (gguf_int8_interleaved.inc), where the weights come
+// from memory and their stream is the whole cost: how far ahead of its block each weight stream asks for
+// lines (it runs out of line-fill buffers before the hardware prefetcher runs far enough ahead), and
+// whether the 512-bit body takes two groups a pass (two streams, half the instructions a byte; the same
+// bits either way). Measured per vendor, 2 threads, the default model's linears at one row:
+//   AMD (Zen 3, bench/results/intel_amx/session26.md): 1 KiB ahead 12.4-12.7 GB/s, 2 KiB 11.9-12.4,
+//       4 KiB 10.7-11.7; one group a pass (Zen 3 has no 512-bit body; Zen 4/5 not measured wide).
+//   Intel (Emerald Rapids 2-core VM, session 41): decode at batch 1 from the Q4_1 file, 10 interleaved
+//       rounds, ms a token: 1 KiB narrow 7.85, 4 KiB narrow 6.80, 4 KiB wide 6.38 (8 KiB 6.37, 2 KiB 7.20).
+struct StreamTuning {
+  int prefetch_bytes;
+  bool wide_single_row;
+};
+
+const StreamTuning& stream_tuning() {
+  static const StreamTuning tuning = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") ? StreamTuning{4096, true} : StreamTuning{1024, false};
+  }();
+  return tuning;
+}
+
 }  // namespace
 
 namespace vnni {
