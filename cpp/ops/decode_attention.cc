@@ -74,23 +74,26 @@ PS_ALWAYS_INLINE void prefetch_row(const C* row, int64_t d_size) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// One query row: query token `token` (at position `position`), head `head`, against its visible context.
-// prefetch: this row streams the context from memory for the rows after it (the first head of a query).
+// A query token's visible context, [begin, position], which its group's heads share: offsets[i] is where
+// position lo + i lies in the cache, computed once per item (RowScratch) rather than per key and row.
+struct RowContext {
+  const int64_t* offsets;
+  int64_t lo;
+  int64_t begin;
+  int64_t num_visible;
+  int64_t offset(int64_t i) const { return offsets[begin - lo + i]; }  // position begin + i
+};
+
+// A row's scores (query token `token`, head `head`) into scores[0, num_visible), then their softmax
+// numerators; returns 1 / their sum. prefetch: this row streams the context from memory for the rows after it
+// (the first head of a query).
 template <int kChunks, typename C>
-[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE void attend_row(const AttentionBatch<float, C>& b,
-                                                                   const int32_t* table, int64_t kv_head,
-                                                                   int64_t token, int64_t position, int64_t head,
-                                                                   bool prefetch, float* scores) {
+[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE float row_scores(const AttentionBatch<float, C>& b,
+                                                                    const RowContext& ctx, int64_t token,
+                                                                    int64_t head, bool prefetch, float* scores) {
   const int64_t d_size = b.head_dim;
-  // The row sees positions [begin, position] (its window); scores[i] and row_offset(i) are position begin + i.
-  const int64_t begin = b.options.first_visible(position);
-  const int64_t num_visible = position + 1 - begin;
+  const int64_t num_visible = ctx.num_visible;
   const float cap = b.options.softcap;
-  const auto row_offset = [&](int64_t i) {
-    const int64_t pos = begin + i;
-    return kv_cache_offset(table[pos / b.block_size], kv_head, pos % b.block_size, b.kv_heads, b.block_size,
-                           d_size);
-  };
   const float* q_in = b.query + (token * b.q_heads + head) * d_size;
   __m512 q[kChunks];
   for (int c = 0; c < kChunks; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(q_in + 16 * c), _mm512_set1_ps(b.scale));
@@ -103,14 +106,14 @@ template <int kChunks, typename C>
     const int count = static_cast<int>(std::min<int64_t>(kKeys, num_visible - first));
     if (prefetch) {
       const int64_t next_count = std::min<int64_t>(kKeys, num_visible - first - kKeys);
-      for (int64_t j = 0; j < next_count; ++j) prefetch_row(b.key_cache + row_offset(first + kKeys + j), d_size);
-      for (int64_t j = 0; j < count; ++j) prefetch_row(b.value_cache + row_offset(first + j), d_size);
+      for (int64_t j = 0; j < next_count; ++j) prefetch_row(b.key_cache + ctx.offset(first + kKeys + j), d_size);
+      for (int64_t j = 0; j < count; ++j) prefetch_row(b.value_cache + ctx.offset(first + j), d_size);
     }
     __m512 partial[kKeys];
     for (int j = 0; j < kKeys; ++j) {
       partial[j] = _mm512_setzero_ps();
       if (j >= count) continue;
-      const C* key = b.key_cache + row_offset(first + j);
+      const C* key = b.key_cache + ctx.offset(first + j);
       for (int c = 0; c < kChunks; ++c) partial[j] = _mm512_fmadd_ps(load_16(key + 16 * c), q[c], partial[j]);
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
@@ -133,44 +136,101 @@ template <int kChunks, typename C>
     scores[j] = exp_approx(scores[j] - row_max);
     lanes[0] += scores[j];
   }
-  const float inv_sum = 1.0f / sum_lanes(lanes);
-
-  // Values.
-  __m512 acc[kChunks];
-  for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t pos = 0; pos < num_visible; ++pos) {
-    const C* value = b.value_cache + row_offset(pos);
-    const __m512 p = _mm512_set1_ps(scores[pos]);
-    for (int c = 0; c < kChunks; ++c) acc[c] = _mm512_fmadd_ps(p, load_16(value + 16 * c), acc[c]);
-  }
-  float* out = b.out + (token * b.q_heads + head) * d_size;
-  for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv_sum)));
+  return 1.0f / sum_lanes(lanes);
 }
 
-// Every query of the item, each for the group's heads. The first row
-// prefetches the context; the rows after it find it in cache (a 512-token
-// context of one kv head is 128 KiB of float32 keys and values).
+// The value sums of kRows rows of one query token (heads head0 ..; row r's numerators at scores + r * stride),
+// each row's as it would run alone (positions in order into one accumulator a chunk, then times 1 / sum):
+// together they load and widen each value chunk once, and their kRows x kChunks independent chains keep both
+// FMA ports busy where one row's kChunks chains wait on the FMA's latency at every position.
+template <int kChunks, int kRows, typename C>
+[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE void value_rows(const AttentionBatch<float, C>& b,
+                                                                   const RowContext& ctx, int64_t token,
+                                                                   int64_t head0, const float* scores,
+                                                                   int64_t stride, const float* inv_sum) {
+  __m512 acc[kRows][kChunks];
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < kChunks; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t pos = 0; pos < ctx.num_visible; ++pos) {
+    const C* value = b.value_cache + ctx.offset(pos);
+    __m512 v[kChunks];
+    for (int c = 0; c < kChunks; ++c) v[c] = load_16(value + 16 * c);
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 p = _mm512_set1_ps(scores[r * stride + pos]);
+      for (int c = 0; c < kChunks; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    float* out = b.out + (token * b.q_heads + head0 + r) * b.head_dim;
+    const __m512 scale = _mm512_set1_ps(inv_sum[r]);
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[r][c], scale));
+  }
+}
+
+// Rows of one value pass: as many as keep the accumulators and a token's value chunks in the 32 zmm registers.
+constexpr int kValueRegisters = 24;
+template <int kChunks>
+constexpr int kValueRows = std::max(1, std::min(4, kValueRegisters / kChunks - 1));
+
+template <int kChunks, int kRows = kValueRows<kChunks>, typename C>
+[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE void value_rows_upto(int rows, const AttentionBatch<float, C>& b,
+                                                                        const RowContext& ctx, int64_t token,
+                                                                        int64_t head0, const float* scores,
+                                                                        int64_t stride, const float* inv_sum) {
+  if constexpr (kRows >= 1) {
+    if (rows == kRows) return value_rows<kChunks, kRows>(b, ctx, token, head0, scores, stride, inv_sum);
+    return value_rows_upto<kChunks, kRows - 1>(rows, b, ctx, token, head0, scores, stride, inv_sum);
+  }
+}
+
+// Every query of the item, each for the group's heads: every head's scores, then the value sums a few heads at
+// a time. The first row prefetches the context; the rows after it find it in cache (a 512-token context of one
+// kv head is 128 KiB of float32 keys and values).
 template <int kChunks, typename C>
 [[gnu::target("arch=x86-64-v4")]] void attend(const AttentionBatch<float, C>& b, const AttentionWorkItem& item,
-                                              float* scores) {
+                                              RowScratch& scratch) {
   const int64_t group = b.group();
   const int64_t token_begin = b.query_start_loc[item.seq];
   const int64_t q_len = b.query_start_loc[item.seq + 1] - token_begin;
   const int64_t first_position = b.seq_lens[item.seq] - q_len;
   const int32_t* table = b.block_tables + item.seq * b.max_blocks_per_seq;
+  // The item's rows see positions [lo, hi]: the first row's window start to the last row's position.
+  const int64_t lo = b.options.first_visible(first_position + item.q_begin);
+  const int64_t hi = first_position + item.q_end - 1;
+  int64_t* offsets = scratch.offsets(hi + 1 - lo);
+  for (int64_t pos = lo; pos <= hi; ++pos) {
+    offsets[pos - lo] = kv_cache_offset(table[pos / b.block_size], item.kv_head, pos % b.block_size, b.kv_heads,
+                                        b.block_size, b.head_dim);
+  }
+  const int64_t stride = hi + 1 - lo;  // one row's scores
+  float* scores = scratch.scores(group * stride);
+  float inv_sum[kMaxRowGroup];
   for (int64_t qi = item.q_begin; qi < item.q_end; ++qi) {
-    for (int64_t g = 0; g < group; ++g) {
-      attend_row<kChunks>(b, table, item.kv_head, token_begin + qi, first_position + qi, item.kv_head * group + g,
-                          /*prefetch=*/qi == item.q_begin && g == 0, scores);
+    const int64_t position = first_position + qi;
+    const int64_t begin = b.options.first_visible(position);
+    const RowContext ctx{offsets, lo, begin, position + 1 - begin};
+    const int64_t token = token_begin + qi;
+    for (int64_t g0 = 0; g0 < group; g0 += kMaxRowGroup) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRowGroup, group - g0));
+      for (int r = 0; r < rows; ++r) {
+        inv_sum[r] = row_scores<kChunks>(b, ctx, token, item.kv_head * group + g0 + r,
+                                         /*prefetch=*/qi == item.q_begin && g0 + r == 0, scores + r * stride);
+      }
+      for (int r = 0; r < rows; r += kValueRows<kChunks>) {
+        value_rows_upto<kChunks>(std::min(kValueRows<kChunks>, rows - r), b, ctx, token,
+                                 item.kv_head * group + g0 + r, scores + r * stride, stride, inv_sum + r);
+      }
     }
   }
 }
 
 template <int kChunks = kMaxRowHeadDim / 16, typename C>
-void attend_dispatch(int chunks, const AttentionBatch<float, C>& b, const AttentionWorkItem& item, float* scores) {
+void attend_dispatch(int chunks, const AttentionBatch<float, C>& b, const AttentionWorkItem& item,
+                     RowScratch& scratch) {
   if constexpr (kChunks >= 1) {
-    if (chunks == kChunks) return attend<kChunks>(b, item, scores);
-    return attend_dispatch<kChunks - 1>(chunks, b, item, scores);
+    if (chunks == kChunks) return attend<kChunks>(b, item, scratch);
+    return attend_dispatch<kChunks - 1>(chunks, b, item, scratch);
   }
 }
 
@@ -178,19 +238,21 @@ void attend_dispatch(int chunks, const AttentionBatch<float, C>& b, const Attent
 
 }  // namespace
 
-void attend_rows_avx512(const AttentionBatch<float, float>& batch, const AttentionWorkItem& item, float* scores) {
-  attend_dispatch(static_cast<int>(batch.head_dim / 16), batch, item, scores);
+void attend_rows_avx512(const AttentionBatch<float, float>& batch, const AttentionWorkItem& item,
+                        RowScratch& scratch) {
+  attend_dispatch(static_cast<int>(batch.head_dim / 16), batch, item, scratch);
 }
 
-void attend_rows_avx512(const AttentionBatch<float, BFloat16>& batch, const AttentionWorkItem& item, float* scores) {
-  attend_dispatch(static_cast<int>(batch.head_dim / 16), batch, item, scores);
+void attend_rows_avx512(const AttentionBatch<float, BFloat16>& batch, const AttentionWorkItem& item,
+                        RowScratch& scratch) {
+  attend_dispatch(static_cast<int>(batch.head_dim / 16), batch, item, scratch);
 }
 
 #else
 
 bool row_attention_supported(int64_t) { return false; }
-void attend_rows_avx512(const AttentionBatch<float, float>&, const AttentionWorkItem&, float*) {}
-void attend_rows_avx512(const AttentionBatch<float, BFloat16>&, const AttentionWorkItem&, float*) {}
+void attend_rows_avx512(const AttentionBatch<float, float>&, const AttentionWorkItem&, RowScratch&) {}
+void attend_rows_avx512(const AttentionBatch<float, BFloat16>&, const AttentionWorkItem&, RowScratch&) {}
 
 #endif
 

@@ -12,6 +12,14 @@
 // (attention_options.h). A bf16 cache is widened to float32 as it is loaded
 // (a 16-bit shift: exact), accumulation stays float32.
 //
+// A query's heads of one group share its keys and values: their value sums
+// run together, up to 4 rows a pass (each value chunk loaded and widened once,
+// and enough independent multiply-add chains to fill both FMA ports; every
+// row's sum still in its own order), and where each position lies in the
+// cache is computed once per work item. On 2 cores of an Intel Emerald Rapids
+// VM, SmolLM2 (group 3): a 512-token prefill 0.57-0.71 -> 0.47-0.52 s, with the
+// same bits (bench/results/intel_amx/session41.md).
+//
 // Batch invariance: a row's arithmetic depends only on its query and its
 // visible keys and values, never on the other rows of the item or the batch.
 // That is why this kernel serves prefill rows as well as decode rows where it
@@ -21,6 +29,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "ops/attention_tile.h"
 #include "ops/float_types.h"
@@ -32,9 +41,30 @@ namespace pagedserve::ops {
 inline constexpr int64_t kMaxRowHeadDim = 256;
 bool row_attention_supported(int64_t head_dim);
 
+// Heads of a group whose scores one pass keeps (a group of more takes several passes).
+inline constexpr int kMaxRowGroup = 16;
+
+// One worker's scratch, grown as items need it: the group's scores (a row of each head) and where each
+// visible position lies in the cache.
+class RowScratch {
+ public:
+  float* scores(int64_t n) { return grown(scores_, n); }
+  int64_t* offsets(int64_t n) { return grown(offsets_, n); }
+
+ private:
+  template <typename T>
+  static T* grown(std::vector<T>& v, int64_t n) {
+    if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n));
+    return v.data();
+  }
+  std::vector<float> scores_;
+  std::vector<int64_t> offsets_;
+};
+
 // Writes the outputs of every query of item, for its group's heads.
-// scores: scratch of at least seq_len floats.
-void attend_rows_avx512(const AttentionBatch<float, float>& batch, const AttentionWorkItem& item, float* scores);
-void attend_rows_avx512(const AttentionBatch<float, BFloat16>& batch, const AttentionWorkItem& item, float* scores);
+void attend_rows_avx512(const AttentionBatch<float, float>& batch, const AttentionWorkItem& item,
+                        RowScratch& scratch);
+void attend_rows_avx512(const AttentionBatch<float, BFloat16>& batch, const AttentionWorkItem& item,
+                        RowScratch& scratch);
 
 }  // namespace pagedserve::ops

@@ -33,7 +33,6 @@ constexpr int64_t kRowsPerItem = 32;
 struct WorkPlan {
   std::vector<AttentionWorkItem> items;  // most expensive first, so the pool's dynamic scheduling balances well
   int64_t max_rows = 0;
-  int64_t max_seq_len = 0;
   int64_t total_work = 0;  // in parallel.h's work units
 };
 
@@ -55,7 +54,6 @@ WorkPlan plan_work(const TensorView& query_start_loc, const TensorView& seq_lens
       const int64_t context = first_position + q_end - options.first_visible(first_position + q_begin);
       const int64_t cost = rows * context * head_dim;
       plan.max_rows = std::max(plan.max_rows, rows);
-      plan.max_seq_len = std::max<int64_t>(plan.max_seq_len, lens[s]);
       plan.total_work += cost * kv_heads;
       for (int32_t h = 0; h < static_cast<int32_t>(kv_heads); ++h) {
         costed.push_back({cost, {s, h, static_cast<int32_t>(q_begin), static_cast<int32_t>(q_end)}});
@@ -114,10 +112,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     // prefill rows included, so a row rounds the same whatever its chunk.
     if constexpr (std::is_same_v<T, float>) {
       if (row_attention_supported(head_dim)) {
-        std::vector<std::vector<float>> scores(static_cast<size_t>(run.num_workers()),
-                                               std::vector<float>(static_cast<size_t>(plan.max_seq_len)));
+        std::vector<RowScratch> scratch(static_cast<size_t>(run.num_workers()));
         run.for_each(static_cast<int64_t>(plan.items.size()), [&](int64_t task, int worker) {
-          attend_rows_avx512(batch, plan.items[static_cast<size_t>(task)], scores[static_cast<size_t>(worker)].data());
+          attend_rows_avx512(batch, plan.items[static_cast<size_t>(task)], scratch[static_cast<size_t>(worker)]);
         });
         return;
       }
