@@ -84,24 +84,33 @@ struct RowContext {
   int64_t offset(int64_t i) const { return offsets[begin - lo + i]; }  // position begin + i
 };
 
-// A row's scores (query token `token`, head `head`) into scores[0, num_visible), then their softmax
-// numerators; returns 1 / their sum. prefetch: this row streams the context from memory for the rows after it
-// (the first head of a query).
+// The scores of `rows` rows of one query token (heads head0 ..; row r's into scores + r * stride,
+// [0, num_visible)), then their softmax numerators; inv_sum[r] = 1 / row r's sum. Each 16-key tile's keys
+// are read once for all the rows (a bf16 cache widened once, into scratch.keys); each row's arithmetic is
+// what it would be alone. prefetch: the first row streams the context from memory for the rows after it.
 template <int kChunks, typename C>
-[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE float row_scores(const AttentionBatch<float, C>& b,
-                                                                    const RowContext& ctx, int64_t token,
-                                                                    int64_t head, bool prefetch, float* scores) {
-  const int64_t d_size = b.head_dim;
+[[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE void group_scores(const AttentionBatch<float, C>& b,
+                                                                     const RowContext& ctx, int64_t token,
+                                                                     int64_t head0, int rows, bool prefetch,
+                                                                     float* scores, int64_t stride,
+                                                                     RowScratch& scratch, float* inv_sum) {
+  constexpr int64_t d_size = 16 * kChunks;
   const int64_t num_visible = ctx.num_visible;
   const float cap = b.options.softcap;
-  const float* q_in = b.query + (token * b.q_heads + head) * d_size;
-  __m512 q[kChunks];
-  for (int c = 0; c < kChunks; ++c) q[c] = _mm512_mul_ps(_mm512_loadu_ps(q_in + 16 * c), _mm512_set1_ps(b.scale));
+  float* q = scratch.queries(rows * d_size);  // each row's query times the scale
+  for (int r = 0; r < rows; ++r) {
+    const float* q_in = b.query + (token * b.q_heads + head0 + r) * d_size;
+    for (int c = 0; c < kChunks; ++c) {
+      _mm512_storeu_ps(q + r * d_size + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(q_in + 16 * c), _mm512_set1_ps(b.scale)));
+    }
+  }
+  float* keys = scratch.keys(kKeys * d_size);
+  float row_max[kMaxRowGroup];
+  for (int r = 0; r < rows; ++r) row_max[r] = -std::numeric_limits<float>::infinity();
 
   // Scores, 16 keys at a time. A prefetching row streams the context from
   // memory: it asks for the next tile's keys and this tile's values, which
-  // the other heads and the value pass then find in cache.
-  float row_max = -std::numeric_limits<float>::infinity();
+  // the value pass then finds in cache.
   for (int64_t first = 0; first < num_visible; first += kKeys) {
     const int count = static_cast<int>(std::min<int64_t>(kKeys, num_visible - first));
     if (prefetch) {
@@ -109,34 +118,48 @@ template <int kChunks, typename C>
       for (int64_t j = 0; j < next_count; ++j) prefetch_row(b.key_cache + ctx.offset(first + kKeys + j), d_size);
       for (int64_t j = 0; j < count; ++j) prefetch_row(b.value_cache + ctx.offset(first + j), d_size);
     }
-    __m512 partial[kKeys];
+    // A tile's keys past the context repeat its last key (finite: lane j of the tree sums key j's products
+    // alone, and those lanes are never stored), so every row runs 16 in registers.
     for (int j = 0; j < kKeys; ++j) {
-      partial[j] = _mm512_setzero_ps();
-      if (j >= count) continue;
-      const C* key = b.key_cache + ctx.offset(first + j);
-      for (int c = 0; c < kChunks; ++c) partial[j] = _mm512_fmadd_ps(load_16(key + 16 * c), q[c], partial[j]);
+      const C* key = b.key_cache + ctx.offset(first + std::min(j, count - 1));
+      for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(keys + j * d_size + 16 * c, load_16(key + 16 * c));
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << count) - 1u);
-    __m512 tile = reduce_16(partial);
-    if (cap > 0.0f) tile = softcap_16(tile, cap);
-    _mm512_mask_storeu_ps(scores + first, valid, tile);
-    row_max = std::max(row_max, _mm512_mask_reduce_max_ps(valid, tile));
-  }
-
-  // Softmax numerators (exp_approx, as the tile kernel) and their sum.
-  float lanes[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= num_visible; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      scores[j + l] = exp_approx(scores[j + l] - row_max);
-      lanes[l] += scores[j + l];
+    for (int r = 0; r < rows; ++r) {
+      const float* qr = q + r * d_size;
+      __m512 partial[kKeys];
+#pragma GCC unroll 16
+      for (int j = 0; j < kKeys; ++j) {
+        partial[j] = _mm512_setzero_ps();
+        for (int c = 0; c < kChunks; ++c) {
+          partial[j] = _mm512_fmadd_ps(_mm512_loadu_ps(keys + j * d_size + 16 * c), _mm512_loadu_ps(qr + 16 * c),
+                                       partial[j]);
+        }
+      }
+      __m512 tile = reduce_16(partial);
+      if (cap > 0.0f) tile = softcap_16(tile, cap);
+      _mm512_mask_storeu_ps(scores + r * stride + first, valid, tile);
+      row_max[r] = std::max(row_max[r], _mm512_mask_reduce_max_ps(valid, tile));
     }
   }
-  for (; j < num_visible; ++j) {
-    scores[j] = exp_approx(scores[j] - row_max);
-    lanes[0] += scores[j];
+
+  // Softmax numerators (exp_approx, as the tile kernel) and their sums.
+  for (int r = 0; r < rows; ++r) {
+    float* row = scores + r * stride;
+    float lanes[kLanes] = {};
+    int64_t j = 0;
+    for (; j + kLanes <= num_visible; j += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        row[j + l] = exp_approx(row[j + l] - row_max[r]);
+        lanes[l] += row[j + l];
+      }
+    }
+    for (; j < num_visible; ++j) {
+      row[j] = exp_approx(row[j] - row_max[r]);
+      lanes[0] += row[j];
+    }
+    inv_sum[r] = 1.0f / sum_lanes(lanes);
   }
-  return 1.0f / sum_lanes(lanes);
 }
 
 // The value sums of kRows rows of one query token (heads head0 ..; row r's numerators at scores + r * stride),
@@ -204,7 +227,7 @@ template <int kChunks, typename C>
                                         b.block_size, b.head_dim);
   }
   const int64_t stride = hi + 1 - lo;  // one row's scores
-  float* scores = scratch.scores(group * stride);
+  float* scores = scratch.scores(std::min<int64_t>(group, kMaxRowGroup) * stride);
   float inv_sum[kMaxRowGroup];
   for (int64_t qi = item.q_begin; qi < item.q_end; ++qi) {
     const int64_t position = first_position + qi;
@@ -213,10 +236,9 @@ template <int kChunks, typename C>
     const int64_t token = token_begin + qi;
     for (int64_t g0 = 0; g0 < group; g0 += kMaxRowGroup) {
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRowGroup, group - g0));
-      for (int r = 0; r < rows; ++r) {
-        inv_sum[r] = row_scores<kChunks>(b, ctx, token, item.kv_head * group + g0 + r,
-                                         /*prefetch=*/qi == item.q_begin && g0 + r == 0, scores + r * stride);
-      }
+      const bool prefetch = qi == item.q_begin && g0 == 0;
+      group_scores<kChunks>(b, ctx, token, item.kv_head * group + g0, rows, prefetch, scores, stride, scratch,
+                            inv_sum);
       for (int r = 0; r < rows; r += kValueRows<kChunks>) {
         value_rows_upto<kChunks>(std::min(kValueRows<kChunks>, rows - r), b, ctx, token,
                                  item.kv_head * group + g0 + r, scores + r * stride, stride, inv_sum + r);

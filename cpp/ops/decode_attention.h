@@ -12,13 +12,15 @@
 // (attention_options.h). A bf16 cache is widened to float32 as it is loaded
 // (a 16-bit shift: exact), accumulation stays float32.
 //
-// A query's heads of one group share its keys and values: their value sums
-// run together, up to 4 rows a pass (each value chunk loaded and widened once,
-// and enough independent multiply-add chains to fill both FMA ports; every
-// row's sum still in its own order), and where each position lies in the
-// cache is computed once per work item. On 2 cores of an Intel Emerald Rapids
-// VM, SmolLM2 (group 3): a 512-token prefill 0.57-0.71 -> 0.47-0.52 s, with the
-// same bits (bench/results/intel_amx/session41.md).
+// A query's heads of one group share its keys and values, so they run
+// together: each 16-key tile is read (a bf16 cache widened) once for all of
+// them, their value sums run up to 4 rows a pass (each value chunk loaded and
+// widened once, enough independent multiply-add chains to fill both FMA
+// ports), and where each position lies in the cache is computed once per work
+// item; every row's arithmetic stays what it is alone. On 2 cores of an Intel
+// Emerald Rapids VM, SmolLM2 (group 3, bf16 cache): one layer's 512-token
+// prefill attention 7.2-8.8 -> 4.1-4.9 ms, the model's TTFT 0.55-0.63 ->
+// 0.36-0.44 s, with the same bits (bench/results/intel_amx/session41.md).
 //
 // Batch invariance: a row's arithmetic depends only on its query and its
 // visible keys and values, never on the other rows of the item or the batch.
@@ -44,12 +46,14 @@ bool row_attention_supported(int64_t head_dim);
 // Heads of a group whose scores one pass keeps (a group of more takes several passes).
 inline constexpr int kMaxRowGroup = 16;
 
-// One worker's scratch, grown as items need it: the group's scores (a row of each head) and where each
-// visible position lies in the cache.
+// One worker's scratch, grown as items need it: the group's scores (a row of each head), where each
+// visible position lies in the cache, the group's scaled queries and a tile of keys as float32.
 class RowScratch {
  public:
   float* scores(int64_t n) { return grown(scores_, n); }
   int64_t* offsets(int64_t n) { return grown(offsets_, n); }
+  float* queries(int64_t n) { return grown(queries_, n); }
+  float* keys(int64_t n) { return grown(keys_, n); }
 
  private:
   template <typename T>
@@ -59,6 +63,8 @@ class RowScratch {
   }
   std::vector<float> scores_;
   std::vector<int64_t> offsets_;
+  std::vector<float> queries_;  // a group's scaled queries
+  std::vector<float> keys_;     // a tile's keys as float32
 };
 
 // Writes the outputs of every query of item, for its group's heads.
