@@ -27,6 +27,7 @@ namespace {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
 constexpr int kKeys = 16;  // keys scored together: one zmm of results
+constexpr int kMaxRowGroup = 16;  // heads of a group whose scores one pass keeps (more take several passes)
 
 // Returns the 16 horizontal sums of v[0..15] as one vector (lane j = sum of v[j]).
 [[gnu::target("arch=x86-64-v4")]] PS_ALWAYS_INLINE __m512 reduce_16(const __m512 (&v)[kKeys]) {
@@ -84,6 +85,23 @@ struct RowContext {
   int64_t offset(int64_t i) const { return offsets[begin - lo + i]; }  // position begin + i
 };
 
+// A row's scores become their softmax numerators (exp_approx, as the tile kernel); returns 1 / their sum.
+PS_ALWAYS_INLINE float softmax_numerators(float* row, int64_t n, float row_max) {
+  float lanes[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      row[j + l] = exp_approx(row[j + l] - row_max);
+      lanes[l] += row[j + l];
+    }
+  }
+  for (; j < n; ++j) {
+    row[j] = exp_approx(row[j] - row_max);
+    lanes[0] += row[j];
+  }
+  return 1.0f / sum_lanes(lanes);
+}
+
 // The scores of `rows` rows of one query token (heads head0 ..; row r's into scores + r * stride,
 // [0, num_visible)), then their softmax numerators; inv_sum[r] = 1 / row r's sum. Each 16-key tile's keys
 // are read once for all the rows (a bf16 cache widened once, into scratch.keys); each row's arithmetic is
@@ -101,7 +119,8 @@ template <int kChunks, typename C>
   for (int r = 0; r < rows; ++r) {
     const float* q_in = b.query + (token * b.q_heads + head0 + r) * d_size;
     for (int c = 0; c < kChunks; ++c) {
-      _mm512_storeu_ps(q + r * d_size + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(q_in + 16 * c), _mm512_set1_ps(b.scale)));
+      const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(q_in + 16 * c), _mm512_set1_ps(b.scale));
+      _mm512_storeu_ps(q + r * d_size + 16 * c, scaled);
     }
   }
   float* keys = scratch.keys(kKeys * d_size);
@@ -143,23 +162,7 @@ template <int kChunks, typename C>
     }
   }
 
-  // Softmax numerators (exp_approx, as the tile kernel) and their sums.
-  for (int r = 0; r < rows; ++r) {
-    float* row = scores + r * stride;
-    float lanes[kLanes] = {};
-    int64_t j = 0;
-    for (; j + kLanes <= num_visible; j += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        row[j + l] = exp_approx(row[j + l] - row_max[r]);
-        lanes[l] += row[j + l];
-      }
-    }
-    for (; j < num_visible; ++j) {
-      row[j] = exp_approx(row[j] - row_max[r]);
-      lanes[0] += row[j];
-    }
-    inv_sum[r] = 1.0f / sum_lanes(lanes);
-  }
+  for (int r = 0; r < rows; ++r) inv_sum[r] = softmax_numerators(scores + r * stride, num_visible, row_max[r]);
 }
 
 // The value sums of kRows rows of one query token (heads head0 ..; row r's numerators at scores + r * stride),

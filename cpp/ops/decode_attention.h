@@ -43,9 +43,6 @@ namespace pagedserve::ops {
 inline constexpr int64_t kMaxRowHeadDim = 256;
 bool row_attention_supported(int64_t head_dim);
 
-// Heads of a group whose scores one pass keeps (a group of more takes several passes).
-inline constexpr int kMaxRowGroup = 16;
-
 // One worker's scratch, grown as items need it: the group's scores (a row of each head), where each
 // visible position lies in the cache, the group's scaled queries and a tile of keys as float32.
 class RowScratch {

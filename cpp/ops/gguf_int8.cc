@@ -76,13 +76,13 @@ struct StreamTuning {
   bool wide_single_row;
 };
 
-const StreamTuning& stream_tuning() {
-  static const StreamTuning tuning = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("intel") ? StreamTuning{4096, true} : StreamTuning{1024, false};
-  }();
-  return tuning;
+StreamTuning this_cpus_stream_tuning() {
+  __builtin_cpu_init();  // static initialization may run before libgcc's own
+  return __builtin_cpu_is("intel") ? StreamTuning{4096, true} : StreamTuning{1024, false};
 }
+
+// Read on every block at M = 1: a plain constant, decided once at load.
+const StreamTuning kStreamTuning = this_cpus_stream_tuning();
 
 }  // namespace
 
