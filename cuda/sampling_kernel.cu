@@ -29,6 +29,7 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
+static_assert(kWarps == 32, "cta_best reduces one Best a lane");
 
 struct Best {
   float score;
@@ -48,16 +49,34 @@ __device__ __forceinline__ Best warp_best(Best b) {
   return b;
 }
 
+// The row's best over the CTA, in every thread (lowest id on ties).
+__device__ __forceinline__ Best cta_best(Best b, Best* per_warp) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  b = warp_best(b);
+  __syncthreads();  // per_warp is free: an earlier call's readers are past it
+  if (lane == 0) per_warp[warp] = b;
+  __syncthreads();
+  return warp_best(per_warp[lane]);
+}
+
 // Token v's logit, or -inf where the row's bitmask (null: none) clears its bit.
 template <typename T>
 __device__ __forceinline__ float masked_logit(const T* x, const int32_t* allowed, int v) {
   return ops::token_allowed(allowed, v) ? to_float(x[v]) : -INFINITY;
 }
 
+// Sampled rows skip, exactly, the candidates that cannot win: a thread starts from the CTA's best of every
+// thread's first candidate (the best of 1,024 draws), then passes over a token when its logit / T plus the
+// largest noise any uniform gives (most of a real model's vocabulary), or plus its own bucket's largest
+// noise (random-weight logits lie close together), stays below its best so far. fmaf is monotone in the
+// added noise, so a skipped token scores below a computed one; ties (lowest id wins) never skip. The hash,
+// a table read and two fmaf remain for a skipped token, the two logf only for the ~1/1000 left.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     sample_tokens_kernel(int32_t* out, const T* logits, const float* inv_temperature, const int32_t* allowed,
                          int vocab, uint64_t seed) {
+  __shared__ Best per_warp[kWarps];
+  __shared__ float noise_bound[ops::kNoiseBuckets];
   const int row = blockIdx.x;
   const T* x = logits + static_cast<int64_t>(row) * vocab;
   const int32_t* mask = allowed == nullptr ? nullptr : allowed + row * ops::token_mask_words(vocab);
@@ -67,21 +86,23 @@ __global__ void __launch_bounds__(kThreads)
   if (inv_t <= 0.f) {  // greedy
     for (int v = threadIdx.x; v < vocab; v += kThreads) best = better(best, Best{masked_logit(x, mask, v), v});
   } else {
-    for (int v = threadIdx.x; v < vocab; v += kThreads) {
-      const float gumbel = -logf(-logf(ops::uniform_open(key, v)));
-      best = better(best, Best{__fmaf_rn(masked_logit(x, mask, v), inv_t, gumbel), v});
+    for (int b = threadIdx.x; b < ops::kNoiseBuckets; b += kThreads) noise_bound[b] = ops::noise_bucket_bound(b);
+    const int first = threadIdx.x;
+    if (first < vocab) {
+      const float noise = ops::gumbel_noise(ops::noise_bits(key, first));
+      best = better(best, Best{__fmaf_rn(masked_logit(x, mask, first), inv_t, noise), first});
+    }
+    best = cta_best(best, per_warp);  // its barriers also publish noise_bound
+    for (int v = first + kThreads; v < vocab; v += kThreads) {
+      const float logit = masked_logit(x, mask, v);
+      if (__fmaf_rn(logit, inv_t, ops::kMaxGumbel) < best.score) continue;
+      const uint32_t bits = ops::noise_bits(key, v);
+      if (__fmaf_rn(logit, inv_t, noise_bound[ops::noise_bucket(bits)]) < best.score) continue;
+      best = better(best, Best{__fmaf_rn(logit, inv_t, ops::gumbel_noise(bits)), v});
     }
   }
-  best = warp_best(best);
-  __shared__ Best per_warp[kWarps];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) per_warp[warp] = best;
-  __syncthreads();
-  if (warp == 0) {
-    best = lane < kWarps ? per_warp[lane] : Best{-FLT_MAX, vocab};
-    best = warp_best(best);
-    if (lane == 0) out[row] = best.id < vocab ? best.id : 0;  // all -inf logits: token 0
-  }
+  best = cta_best(best, per_warp);
+  if (threadIdx.x == 0) out[row] = best.id < vocab ? best.id : 0;  // all -inf logits: token 0
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "ops/float_types.h"
+#include "ops/gumbel_noise.h"
 #include "ops/ops.h"
 #include "ops_test_util.h"
 
@@ -122,6 +123,53 @@ TEST(SampleTokens, AnAllowedMaskSamplesAsMinusInfinityLogitsDo) {
   EXPECT_TRUE(testing::throws_invalid(
       [&] { sample_tokens(got.view(), logits.view(), inv_t.view(), short_mask.view(), 1); },
       "sample_tokens: allowed must have size 3"));
+}
+
+// The noise of the 32 bits h is a Gumbel variable: the share of h whose noise exceeds g is 1 - exp(-e^-g),
+// out to the far tail (where a 24-bit uniform rounded to 1 and gave infinite noise), and it is finite and
+// at most kMaxGumbel everywhere. The share is found by bisection: the noise grows with h.
+TEST(GumbelNoise, FollowsTheGumbelTailAndStaysFinite) {
+  for (const double g : {-2.0, 0.0, 2.0, 5.0, 10.0, 15.0, 20.0, 22.0}) {
+    uint64_t lo = 0, hi = uint64_t(1) << 32;  // the first h whose noise exceeds g is in [lo, hi]
+    while (lo < hi) {
+      const uint64_t mid = (lo + hi) / 2;
+      if (gumbel_noise(static_cast<uint32_t>(mid)) > g) hi = mid; else lo = mid + 1;
+    }
+    const double count = std::ldexp(1.0, 32) - double(lo), expected = -std::expm1(-std::exp(-g)) * std::ldexp(1.0, 32);
+    EXPECT_LE(std::abs(count - expected), std::max(2.0, 1e-4 * expected)) << "noise above " << g;
+  }
+  for (const uint32_t h : {0u, 1u, 0x80000000u, 0xfffffffeu, 0xffffffffu}) {
+    EXPECT_TRUE(std::isfinite(gumbel_noise(h))) << h;
+    EXPECT_LE(gumbel_noise(h), kMaxGumbel) << h;
+  }
+  EXPECT_GT(gumbel_noise(0xffffffffu), 22.8f);
+}
+
+// The CUDA kernel skips a candidate when its logit / T plus its noise bucket's bound stays below the best so
+// far: the noise of every h in a bucket must be at most the bucket's bound (checked at both ends of every
+// bucket, at 2,048 points inside each, and at every h of the steep top 2^20), and the buckets tile the bits in
+// order. The bound must not be so loose that nothing is skipped: within 0.02 of the noise at u = 0.5.
+TEST(GumbelNoise, EveryNoiseIsAtMostItsBucketsBound) {
+  int64_t above = 0;
+  uint32_t first = 0;
+  uint64_t state = 12345;
+  for (int b = 0; b < kNoiseBuckets; ++b) {
+    const uint32_t last = noise_bucket_last_bits(b);
+    const float bound = noise_bucket_bound(b);
+    ASSERT_EQ(noise_bucket(first), b);
+    ASSERT_EQ(noise_bucket(last), b);
+    above += gumbel_noise(first) > bound || gumbel_noise(last) > bound;
+    for (int i = 0; i < 2048; ++i) {
+      state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+      const auto h = static_cast<uint32_t>(first + (state >> 33) % (uint64_t(last) - first + 1));
+      above += gumbel_noise(h) > bound;
+    }
+    first = last + 1;
+  }
+  EXPECT_EQ(first, 0u);  // the last bucket ends at 2^32 - 1
+  for (uint32_t h = 0xfff00000u; h != 0; ++h) above += gumbel_noise(h) > noise_bucket_bound(noise_bucket(h));
+  EXPECT_EQ(above, 0);
+  EXPECT_LT(noise_bucket_bound(128) - gumbel_noise(0x80000000u), 0.02f);
 }
 
 }  // namespace

@@ -13,10 +13,6 @@
 namespace pagedserve::ops {
 namespace {
 
-// Above the largest Gumbel value uniform_open can produce, -log(-log(1 - 2^-25))
-// = 17.33, with room for the rounding of the comparison below.
-constexpr float kMaxGumbel = 17.5f;
-
 // Token v's logit, or -inf where `allowed` (one row of the bitmask, or null) clears its bit.
 template <typename T>
 float masked_logit(const T* logits, const int32_t* allowed, int64_t v) {
@@ -39,14 +35,14 @@ int32_t sample_row(const T* logits, const int32_t* allowed, int64_t vocab, float
   // exceeds kMaxGumbel, so ids scoring below best - kMaxGumbel before noise
   // cannot win: skipping their two logarithms changes nothing (most of a
   // vocabulary sits that far below its top logits).
-  const float gumbel_at_max = -std::log(-std::log(uniform_open(key, best_id)));
+  const float gumbel_at_max = gumbel_noise(noise_bits(key, best_id));
   best = std::fma(best, inv_temperature, gumbel_at_max);
   const float cutoff = best - kMaxGumbel;
   for (int64_t v = 0; v < vocab; ++v) {
     const float x = masked_logit(logits, allowed, v);
     const float scaled = x * inv_temperature;
     if (scaled < cutoff || v == best_id) continue;
-    const float gumbel = -std::log(-std::log(uniform_open(key, v)));
+    const float gumbel = gumbel_noise(noise_bits(key, v));
     // One fused multiply-add, as the CUDA kernel does, so both round alike.
     const float score = std::fma(x, inv_temperature, gumbel);
     if (score > best || (score == best && v < best_id)) {

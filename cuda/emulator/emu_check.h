@@ -142,5 +142,6 @@ void attention_cases();
 void attention_option_cases();  // sliding window, soft-capping
 void grouped_linear_cases();
 void small_batch_linear_cases();
+void sampling_cases();
 
 }  // namespace emu_check

@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "attention" || only == "attention_options") attention_option_cases();
   if (only.empty() || only == "grouped_linear") grouped_linear_cases();
   if (only.empty() || only == "small_batch_linear") small_batch_linear_cases();
+  if (only.empty() || only == "sampling") sampling_cases();
   std::printf("%d failures (%lld launches, %lld CTAs emulated)\n", failures, emu::num_launches, emu::num_ctas);
   return failures == 0 ? 0 : 1;
 }

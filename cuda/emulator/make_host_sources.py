@@ -47,8 +47,8 @@ def main(out_dir):
         text = LAUNCH.sub(to_emulated_launch, text)
         text = text.replace("extern __shared__ __align__(16) unsigned char shared_bytes[];",
                             "unsigned char* shared_bytes = emu_smem;")
-        text = text.replace("__shared__ float", "static float")  # CTAs run one at a time
-        if re.search(r">>>\s*\(", text) or re.search(r"^\s*[^/\s].*__shared__", text, re.MULTILINE):
+        text = re.sub(r"__shared__ (\w+) ", r"static \1 ", text)  # CTAs run one at a time
+        if re.search(r">>>\s*\(", text) or re.search(r"^[^/]*__shared__", text, re.MULTILINE):
             sys.exit(f"{path.name}: a launch or shared array the emulator cannot translate")
         (out / (path.stem + ".cc" if path.suffix == ".cu" else path.name)).write_text(text)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles the CUDA ops for the host with the emulator and checks them against
 # the CPU reference ops. No GPU needed; about a minute on 2 cores (four with ASan).
-#   cuda/emulator/run.sh [elementwise|attention|attention_options|grouped_linear|small_batch_linear]       SANITIZE=1 for ASan + UBSan
+#   cuda/emulator/run.sh [elementwise|attention|attention_options|grouped_linear|small_batch_linear|sampling]       SANITIZE=1 for ASan + UBSan
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
