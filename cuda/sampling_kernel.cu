@@ -59,19 +59,34 @@ __device__ __forceinline__ Best cta_best(Best b, Best* per_warp) {
   return warp_best(per_warp[lane]);
 }
 
-// Token v's logit, or -inf where the row's bitmask (null: none) clears its bit.
-template <typename T>
-__device__ __forceinline__ float masked_logit(const T* x, const int32_t* allowed, int v) {
-  return ops::token_allowed(allowed, v) ? to_float(x[v]) : -INFINITY;
+// The logits of chunk c, tokens [c * kVec, c * kVec + kVec), in one access (16 bytes, or one element where a
+// row does not start 16-byte aligned); -inf where the row's bitmask (null: none) clears a token's bit. One
+// 2-byte load in flight a thread left the sampler latency-bound (H200, 256 x 151,936 bf16: 133 us a call).
+template <typename T, int kVec>
+__device__ __forceinline__ void load_chunk(float (&logit)[kVec], const T* x, const int32_t* mask, int c) {
+  load_as_float(logit, x + static_cast<int64_t>(c) * kVec);
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) {
+    if (!ops::token_allowed(mask, c * kVec + e)) logit[e] = -INFINITY;
+  }
 }
 
-// Sampled rows skip, exactly, the candidates that cannot win: a thread starts from the CTA's best of every
-// thread's first candidate (the best of 1,024 draws), then passes over a token when its logit / T plus the
-// largest noise any uniform gives (most of a real model's vocabulary), or plus its own bucket's largest
-// noise (random-weight logits lie close together), stays below its best so far. fmaf is monotone in the
-// added noise, so a skipped token scores below a computed one; ties (lowest id wins) never skip. The hash,
-// a table read and two fmaf remain for a skipped token, the two logf only for the ~1/1000 left.
-template <typename T>
+// `best` after token v of a sampled row, skipping (exactly) a token that cannot win: its logit / T plus the
+// largest noise any bits give (most of a real model's vocabulary), or plus its own bucket's largest noise
+// (random-weight logits lie close together), stays below the best so far. fmaf is monotone in the added
+// noise, so a skipped token scores below a computed one; ties (lowest id wins) never skip. A skipped token
+// costs the hash, a table read and two fmaf; the two logarithms remain for ~1 in 1,000.
+__device__ __forceinline__ Best consider(Best best, float logit, int v, float inv_t, uint64_t key,
+                                         const float* noise_bound) {
+  if (__fmaf_rn(logit, inv_t, ops::kMaxGumbel) < best.score) return best;
+  const uint32_t bits = ops::noise_bits(key, v);
+  if (__fmaf_rn(logit, inv_t, noise_bound[ops::noise_bucket(bits)]) < best.score) return best;
+  return better(best, Best{__fmaf_rn(logit, inv_t, ops::gumbel_noise(bits)), v});
+}
+
+// Sampled rows start from the CTA's best over every thread's first chunk (up to 8,192 draws, all computed),
+// so that few tokens after it pass the bounds.
+template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads)
     sample_tokens_kernel(int32_t* out, const T* logits, const float* inv_temperature, const int32_t* allowed,
                          int vocab, uint64_t seed) {
@@ -82,23 +97,31 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* mask = allowed == nullptr ? nullptr : allowed + row * ops::token_mask_words(vocab);
   const float inv_t = inv_temperature[row];
   const uint64_t key = ops::gumbel_row_key(seed, row);
+  const int chunks = vocab / kVec;  // kVec divides vocab
+  float logit[kVec];
   Best best{-FLT_MAX, vocab};
   if (inv_t <= 0.f) {  // greedy
-    for (int v = threadIdx.x; v < vocab; v += kThreads) best = better(best, Best{masked_logit(x, mask, v), v});
+    for (int c = threadIdx.x; c < chunks; c += kThreads) {
+      load_chunk(logit, x, mask, c);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) best = better(best, Best{logit[e], c * kVec + e});
+    }
   } else {
     for (int b = threadIdx.x; b < ops::kNoiseBuckets; b += kThreads) noise_bound[b] = ops::noise_bucket_bound(b);
-    const int first = threadIdx.x;
-    if (first < vocab) {
-      const float noise = ops::gumbel_noise(ops::noise_bits(key, first));
-      best = better(best, Best{__fmaf_rn(masked_logit(x, mask, first), inv_t, noise), first});
+    if (static_cast<int>(threadIdx.x) < chunks) {
+      load_chunk(logit, x, mask, threadIdx.x);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        const int v = threadIdx.x * kVec + e;
+        best = better(best, Best{__fmaf_rn(logit[e], inv_t, ops::gumbel_noise(ops::noise_bits(key, v))), v});
+      }
     }
     best = cta_best(best, per_warp);  // its barriers also publish noise_bound
-    for (int v = first + kThreads; v < vocab; v += kThreads) {
-      const float logit = masked_logit(x, mask, v);
-      if (__fmaf_rn(logit, inv_t, ops::kMaxGumbel) < best.score) continue;
-      const uint32_t bits = ops::noise_bits(key, v);
-      if (__fmaf_rn(logit, inv_t, noise_bound[ops::noise_bucket(bits)]) < best.score) continue;
-      best = better(best, Best{__fmaf_rn(logit, inv_t, ops::gumbel_noise(bits)), v});
+#pragma unroll 2
+    for (int c = threadIdx.x + kThreads; c < chunks; c += kThreads) {
+      load_chunk(logit, x, mask, c);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) best = consider(best, logit[e], c * kVec + e, inv_t, key, noise_bound);
     }
   }
   best = cta_best(best, per_warp);
@@ -116,9 +139,15 @@ void sample_tokens(const TensorView& out, const TensorView& logits, const Tensor
   if (rows == 0) return;
   DeviceGuard guard(logits.device_index);
   dispatch_float(logits.dtype, kOp, [&]<typename T>() {
-    sample_tokens_kernel<T><<<rows, kThreads, 0, stream>>>(
-        out.ptr<int32_t>(), logits.ptr<const T>(), inv_temperature.ptr<const float>(),
-        allowed.data == nullptr ? nullptr : allowed.ptr<const int32_t>(), vocab, seed);
+    const int32_t* mask = allowed.data == nullptr ? nullptr : allowed.ptr<const int32_t>();
+    constexpr int kVec = kVec16<T>;
+    if (vocab % kVec == 0 && is_aligned16(logits.data)) {  // every row 16-byte aligned
+      sample_tokens_kernel<T, kVec><<<rows, kThreads, 0, stream>>>(
+          out.ptr<int32_t>(), logits.ptr<const T>(), inv_temperature.ptr<const float>(), mask, vocab, seed);
+    } else {
+      sample_tokens_kernel<T, 1><<<rows, kThreads, 0, stream>>>(
+          out.ptr<int32_t>(), logits.ptr<const T>(), inv_temperature.ptr<const float>(), mask, vocab, seed);
+    }
     check_launch("sample_tokens_kernel");
   });
 }
