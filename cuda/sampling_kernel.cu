@@ -1,15 +1,18 @@
 // sample_tokens: Gumbel-max sampling of one token per row (see cpp/ops/ops.h).
 //
-// One CTA per row: its threads stride over the vocabulary, each keeping the
-// best (score, id) it saw; a warp-shuffle then shared-memory reduction picks
-// the row's best, lowest id on ties (so the thread count does not change the
-// draw). The noise is a hash of (row key, id) (cpp/ops/gumbel_noise.h), so
-// this draws exactly what the CPU op draws.
-// 1024 threads: a sampled token costs a hash and two logf, ~60 instructions;
-// with 256 threads 177 sampled rows of 151936 tokens took 242 us on an H100
-// (each thread a chain of ~600 candidates, 1-2 CTAs an SM), 124 us with 1024;
-// 64 x 49152: 40 -> 22 us; one row of 32000: 26 -> 16 us. Greedy rows: 8 ->
-// 9 us at 1-64 rows, 42 -> 28 us at 177.
+// One CTA per row: its threads stride over the vocabulary in 16-byte chunks of
+// logits, each keeping the best (score, id) it saw; a warp-shuffle then
+// shared-memory reduction picks the row's best, lowest id on ties (so the
+// thread count does not change the draw). The noise is a hash of (row key, id)
+// (cpp/ops/gumbel_noise.h), so this draws exactly what the CPU op draws.
+// A sampled row skips, exactly, the tokens that cannot win (consider() below):
+// the two logarithms of the noise remain for ~1 token in 1,000.
+// H200, bf16 logits, median of 50 calls (bench/results/h200/session42.md), before
+// (every token's noise computed, one 2-byte load in flight a thread) and after:
+// 256 x 151,936 (the long workload's rows) 131 -> 91-95 us; one row of 151,936
+// 67 -> 49-52 us; 64 x 49,152 28 -> 25-28 us; one row of 32,000 21-23 us both.
+// 1024 threads: with 256 threads 177 sampled rows of 151936 tokens took 242 us
+// on an H100 (each thread a chain of ~600 candidates), 124 us with 1024.
 // Bytes: one read of the logits (a 256 x 151936 bf16 step reads 78 MB, ~20 us
 // on an H200) instead of the six or so full passes a softmax-based sampler
 // makes over float32 logits.
@@ -61,7 +64,7 @@ __device__ __forceinline__ Best cta_best(Best b, Best* per_warp) {
 
 // The logits of chunk c, tokens [c * kVec, c * kVec + kVec), in one access (16 bytes, or one element where a
 // row does not start 16-byte aligned); -inf where the row's bitmask (null: none) clears a token's bit. One
-// 2-byte load in flight a thread left the sampler latency-bound (H200, 256 x 151,936 bf16: 133 us a call).
+// 2-byte load in flight a thread left the sampler latency-bound (H200, 256 x 151,936 bf16: 107-110 us).
 template <typename T, int kVec>
 __device__ __forceinline__ void load_chunk(float (&logit)[kVec], const T* x, const int32_t* mask, int c) {
   load_as_float(logit, x + static_cast<int64_t>(c) * kVec);
@@ -69,6 +72,12 @@ __device__ __forceinline__ void load_chunk(float (&logit)[kVec], const T* x, con
   for (int e = 0; e < kVec; ++e) {
     if (!ops::token_allowed(mask, c * kVec + e)) logit[e] = -INFINITY;
   }
+}
+
+// A token's score from its bits. Out of line: it runs for ~1 token in 1,000, and its two logarithms inlined at
+// the unrolled loop's 16 call sites were cold code (the kernel's PTX 6,874 -> 5,863 lines).
+__device__ __noinline__ float score(float logit, float inv_t, uint32_t bits) {
+  return __fmaf_rn(logit, inv_t, ops::gumbel_noise(bits));
 }
 
 // `best` after token v of a sampled row, skipping (exactly) a token that cannot win: its logit / T plus the
@@ -81,7 +90,7 @@ __device__ __forceinline__ Best consider(Best best, float logit, int v, float in
   if (__fmaf_rn(logit, inv_t, ops::kMaxGumbel) < best.score) return best;
   const uint32_t bits = ops::noise_bits(key, v);
   if (__fmaf_rn(logit, inv_t, noise_bound[ops::noise_bucket(bits)]) < best.score) return best;
-  return better(best, Best{__fmaf_rn(logit, inv_t, ops::gumbel_noise(bits)), v});
+  return better(best, Best{score(logit, inv_t, bits), v});
 }
 
 // Sampled rows start from the CTA's best over every thread's first chunk (up to 8,192 draws, all computed),
@@ -113,7 +122,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const int v = threadIdx.x * kVec + e;
-        best = better(best, Best{__fmaf_rn(logit[e], inv_t, ops::gumbel_noise(ops::noise_bits(key, v))), v});
+        best = better(best, Best{score(logit[e], inv_t, ops::noise_bits(key, v)), v});
       }
     }
     best = cta_best(best, per_warp);  // its barriers also publish noise_bound

@@ -38,6 +38,9 @@
 #ifndef __launch_bounds__
 #define __launch_bounds__(...)
 #endif
+#ifndef __noinline__
+#define __noinline__ __attribute__((noinline))
+#endif
 
 // One OS thread runs every CUDA thread, so these are plain globals that the
 // scheduler sets before it resumes a thread.
