@@ -6,6 +6,7 @@
 #include <numeric>
 #include <vector>
 
+#include "ops/cpu_isa.h"
 #include "ops/float_types.h"
 #include "ops/gumbel_noise.h"
 #include "ops/ops.h"
@@ -123,6 +124,82 @@ TEST(SampleTokens, AnAllowedMaskSamplesAsMinusInfinityLogitsDo) {
   EXPECT_TRUE(testing::throws_invalid(
       [&] { sample_tokens(got.view(), logits.view(), inv_t.view(), short_mask.view(), 1); },
       "sample_tokens: allowed must have size 3"));
+}
+
+// The plain definition: every token scored, the highest wins, the lowest id on ties; -inf everywhere gives 0.
+template <typename T>
+int32_t every_token_scored(const T* row, const int32_t* allowed, int64_t vocab, float inv_t, uint64_t key) {
+  float best = -INFINITY;
+  int32_t best_id = 0;
+  for (int64_t v = 0; v < vocab; ++v) {
+    const bool ok = allowed == nullptr || ((static_cast<uint32_t>(allowed[v / 32]) >> (v % 32)) & 1u);
+    const float x = ok ? to_float(row[v]) : -INFINITY;
+    const float score = inv_t > 0 ? std::fma(x, inv_t, gumbel_noise(noise_bits(key, v))) : x;
+    if (score > best) {
+      best = score;
+      best_id = static_cast<int32_t>(v);
+    }
+  }
+  return best_id;
+}
+
+// The op skips the tokens that cannot win (with 16-token vector tests at AVX-512 and above): at every ISA
+// level this CPU has, every row draws what scoring every token draws. Rows: flat (random-weight logits: the
+// noise decides), peaked, equal, two +inf, NaN, masked, two tokens allowed, nothing allowed; vocabularies
+// with a tail past the last 16 tokens.
+template <typename T>
+void expect_every_level_scores_as_every_token(int64_t vocab) {
+  const int rows = 48;
+  const int64_t words = (vocab + 31) / 32;
+  HostTensor<T> logits({rows, vocab});
+  HostTensor<float> inv_t({rows});
+  HostTensor<int32_t> allowed({rows, words});
+  uint64_t state = 99;
+  auto next = [&] { return state = state * 6364136223846793005ULL + 1442695040888963407ULL; };
+  auto uniform = [&] { return static_cast<float>(next() >> 40) / 16777216.0f; };
+  const float spreads[] = {0.6f, 4.0f, 30.0f, 0.0f};
+  const float temperatures[] = {0.6f, 1.0f, 0.0f, 0.001f, 5.0f};
+  for (int r = 0; r < rows; ++r) {
+    for (int64_t v = 0; v < vocab; ++v) {
+      const float gaussian = std::sqrt(-2 * std::log(uniform() + 1e-7f)) * std::cos(6.2831853f * uniform());
+      logits[r * vocab + v] = ops::from_float<T>(spreads[r % 4] * gaussian);
+    }
+    if (r % 6 == 4) logits[r * vocab + vocab / 3] = logits[r * vocab + vocab / 2] = ops::from_float<T>(INFINITY);
+    if (r % 6 == 5) logits[r * vocab + vocab / 5] = ops::from_float<T>(NAN);
+    const float t = temperatures[r % 5];
+    inv_t[r] = t > 0 ? 1 / t : 0;
+    for (int64_t w = 0; w < words; ++w) {
+      allowed[r * words + w] = r % 8 == 3 ? 0 : r % 8 == 7 ? 0 : static_cast<int32_t>(next() >> 32);
+    }
+    if (r % 8 == 7) {  // two tokens
+      for (const int64_t v : {int64_t(next() % vocab), int64_t(next() % vocab)}) {
+        allowed[r * words + v / 32] |= 1 << (v % 32);
+      }
+    }
+  }
+  const CpuIsa before = cpu_isa();
+  for (const CpuIsa level : supported_cpu_isas()) {
+    set_cpu_isa(level);
+    for (const bool masked : {false, true}) {
+      for (const uint64_t seed : {1ULL, 0xfeedULL}) {
+        HostTensor<int32_t> got({rows});
+        sample_tokens(got.view(), logits.view(), inv_t.view(), masked ? allowed.view() : TensorView{}, seed);
+        for (int r = 0; r < rows; ++r) {
+          const int32_t want = every_token_scored(&logits[r * vocab], masked ? &allowed[r * words] : nullptr, vocab,
+                                                  inv_t[r], gumbel_row_key(seed, r));
+          EXPECT_EQ(got[r], want) << cpu_isa_name(level) << " vocab " << vocab << " row " << r << " seed " << seed
+                                  << (masked ? " masked" : "");
+        }
+      }
+    }
+  }
+  set_cpu_isa(before);
+}
+
+TEST(SampleTokens, EveryIsaLevelDrawsWhatScoringEveryTokenDraws) {
+  expect_every_level_scores_as_every_token<float>(4099);
+  expect_every_level_scores_as_every_token<BFloat16>(1037);
+  expect_every_level_scores_as_every_token<Half>(2048);
 }
 
 // The noise of the 32 bits h is a Gumbel variable: the share of h whose noise exceeds g is 1 - exp(-e^-g),
