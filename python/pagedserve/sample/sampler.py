@@ -130,11 +130,22 @@ class Sampler:
             apply_min_p_(logits, batch.min_p)
         if batch.top_k is not None or batch.top_p is not None:
             apply_top_k_top_p_(logits, batch.top_k, batch.top_p, batch.max_top_k)
+        if not batch.seeded:
+            return self._gumbel_max(self._per_sample(logits, batch))
         probs = self._per_sample(logits.softmax(dim=-1), batch)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for seeded in batch.seeded:
             noise[seeded.start:seeded.start + seeded.count].exponential_(generator=seeded.generator)
         return exponential_race(probs, noise)
+
+    def _gumbel_max(self, logits: torch.Tensor) -> torch.Tensor:
+        """[R] int64: one unseeded draw from softmax(logits[r]) a row (-inf: excluded), by ops.sample_tokens'
+        hashed noise in one pass. A softmax and torch's exponential_ noise for the race took ~120 ms a step
+        for 64 rows of 49,152 on 2 CPU threads (Intel VM, session 42); seeded rows keep their generators."""
+        out = torch.empty(logits.shape[0], dtype=torch.int32, device=logits.device)
+        ones = torch.ones(logits.shape[0], dtype=torch.float32, device=logits.device)
+        ops.sample_tokens(out, logits.contiguous(), ones, self._step_seeds.getrandbits(64))
+        return out.long()
 
     @staticmethod
     def _per_sample(per_row: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
